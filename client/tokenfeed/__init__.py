@@ -1,0 +1,30 @@
+"""tokenfeed: exactly-once, globally shuffled token batches from a shared data server.
+
+``import tokenfeed`` is light: numpy, pyzmq and msgpack only. The torch parts
+(:class:`TokenFeedDataset`, :class:`TokenFeedLoader`) are imported on first use, so a
+server or a tool that never touches torch never pays for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tokenfeed import errors
+from tokenfeed.errors import TokenFeedError
+
+__version__ = "0.1.0"
+__all__ = ["TokenFeedDataset", "TokenFeedError", "TokenFeedLoader", "__version__", "errors"]
+
+if TYPE_CHECKING:
+    from tokenfeed.dataset import TokenFeedDataset
+    from tokenfeed.loader import TokenFeedLoader
+
+_LAZY = {"TokenFeedDataset": "tokenfeed.dataset", "TokenFeedLoader": "tokenfeed.loader"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tokenfeed' has no attribute {name!r}")

@@ -1,0 +1,146 @@
+"""The one exception tree of tokenfeed.
+
+Every error a user can meet is a subclass of :class:`TokenFeedError`, and every message
+says what went wrong *and what to do about it*. Foreign errors (zmq, msgpack, OS) are
+mapped onto this tree at the boundary where they happen, never leaked raw::
+
+    TokenFeedError
+    ├── ConfigError              a setting or argument is invalid (also a ValueError)
+    │   └── PlanError            the order math cannot serve these sizes
+    ├── StoreError               the data store on disk
+    │   ├── InvalidDatasetName   a name that could escape the store or is not portable
+    │   ├── DatasetNotFound      no such dataset in the store
+    │   ├── DatasetExists        prepare would overwrite a dataset (use --overwrite)
+    │   ├── ManifestError        manifest.json missing, unreadable or inconsistent
+    │   └── CorruptShard         a shard fails its header, size or checksum check
+    ├── PrepareError             turning a corpus into a dataset failed
+    │   └── BadRecord            one input record is unusable (file and line named)
+    ├── ProtocolError            a frame that does not follow wire protocol v1
+    ├── ServerError              the server answered ERR (carries .code and .retry)
+    │   ├── UnknownDataset       the server has no dataset of that name
+    │   ├── RequestRejected      the request is invalid or exceeds a server limit
+    │   ├── AuthenticationFailed wrong or missing token
+    │   ├── DatasetForbidden     the token's tenant may not read that dataset
+    │   ├── ConnectionLimit      the tenant or server has no free connection slot
+    │   └── DatasetChanged       the dataset behind a running job was replaced
+    └── ServerUnavailable        no answer from the endpoint before the deadline
+
+``ServerError.from_code`` maps a wire error code to the matching subclass, so the
+client raises the precise type without a table of its own.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class TokenFeedError(Exception):
+    """Base of every error raised by tokenfeed."""
+
+
+class ConfigError(TokenFeedError, ValueError):
+    """A setting or argument is invalid."""
+
+
+class PlanError(ConfigError):
+    """The plan's sizes are degenerate or would overflow."""
+
+
+class StoreError(TokenFeedError):
+    """Something is wrong with the data store on disk."""
+
+
+class InvalidDatasetName(StoreError, ValueError):
+    """A dataset name that is empty, too long, or could escape the store directory."""
+
+
+class DatasetNotFound(StoreError, KeyError):
+    """The store has no dataset of that name."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DatasetExists(StoreError):
+    """A dataset of that name exists and overwriting was not asked for."""
+
+
+class ManifestError(StoreError):
+    """manifest.json is missing, unreadable, or disagrees with the shards."""
+
+
+class CorruptShard(StoreError):
+    """A shard file fails its header, size or checksum check."""
+
+
+class PrepareError(TokenFeedError):
+    """The prepare pipeline could not build the dataset."""
+
+
+class BadRecord(PrepareError):
+    """One input record is unusable; the message names the file and line."""
+
+
+class ProtocolError(TokenFeedError):
+    """A message that does not follow wire protocol v1."""
+
+
+class ServerError(TokenFeedError):
+    """The server answered with an ERR message."""
+
+    code: ClassVar[str] = "internal"
+    _by_code: ClassVar[dict[str, type[ServerError]]] = {}
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        ServerError._by_code[cls.code] = cls
+
+    @staticmethod
+    def from_code(code: str, message: str, *, retry: bool = False) -> ServerError:
+        """Build the exception that matches a wire error code (unknown codes: ServerError)."""
+        cls = ServerError._by_code.get(code, ServerError)
+        return cls(message, retry=retry)
+
+
+class UnknownDataset(ServerError):
+    """The server has no dataset of that name."""
+
+    code = "unknown_dataset"
+
+
+class RequestRejected(ServerError):
+    """The request is malformed or exceeds one of the server's limits."""
+
+    code = "bad_request"
+
+
+class AuthenticationFailed(ServerError):
+    """The token is wrong or missing."""
+
+    code = "auth_failed"
+
+
+class DatasetForbidden(ServerError):
+    """The tenant of this token may not read the dataset."""
+
+    code = "forbidden"
+
+
+class ConnectionLimit(ServerError):
+    """The tenant, or the server as a whole, has no free connection slot."""
+
+    code = "connection_limit"
+
+
+class DatasetChanged(ServerError):
+    """The dataset was replaced while a job was reading it; resuming would mix two datasets."""
+
+    code = "dataset_changed"
+
+
+class ServerUnavailable(TokenFeedError):
+    """The endpoint did not answer before the deadline."""
