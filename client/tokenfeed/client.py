@@ -1,0 +1,300 @@
+"""The trainer's end of the wire: one DEALER socket per process, credits, retries.
+
+:class:`FeedClient` attaches to a job with ``hello``, then turns a stream of requests
+into a stream of chunks, in request order, keeping at most ``window`` requests in flight
+(credit-based flow control: the server never sends unasked, so memory on both ends is
+bounded by window x chunk).
+
+Liveness follows the ZeroMQ guide's Lazy Pirate pattern: when nothing arrives for
+``request_timeout`` seconds, the client closes its socket, opens a new one, says hello
+again and re-sends every request still outstanding. Requests are pure functions of their
+fields, so re-sending loses and duplicates nothing, even if the server restarted. When no
+progress is made for ``deadline`` seconds the client raises
+:class:`~tokenfeed.errors.ServerUnavailable` naming the endpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from tokenfeed import protocol
+from tokenfeed.errors import (
+    DatasetChanged,
+    ProtocolError,
+    ServerError,
+    ServerUnavailable,
+)
+from tokenfeed.protocol import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """``count`` global batches at stream positions ``pos + i * stride * G``."""
+
+    pos: int
+    count: int
+    stride: int = 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One answered request: rank rows ``[count * B, L + 1]`` with their provenance."""
+
+    request: Request
+    tokens: np.ndarray
+    window_ids: np.ndarray
+    epochs: np.ndarray
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """Timeouts, window and credentials of a client; one object, passed down."""
+
+    window: int = 4
+    request_timeout: float = 10.0
+    deadline: float = 120.0
+    token: str | None = None
+    tenant: str = "default"
+    server_public_key: str | None = None
+
+
+class FeedClient:
+    """A connection to a tokenfeed server for one rank and one worker of a job."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        job: JobSpec,
+        *,
+        rank: int,
+        worker: int,
+        options: ClientOptions | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.job = job
+        self.rank = rank
+        self.worker = worker
+        self.options = options or ClientOptions()
+        self.welcome: protocol.Welcome | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._payload: list[Any] = []
+        self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}"
+
+    # -- connection ------------------------------------------------------------------
+
+    def _open(self) -> zmq.Socket[bytes]:
+        self._close_socket()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        if self.options.token is not None:
+            sock.plain_username = self.options.tenant.encode()
+            sock.plain_password = self.options.token.encode()
+        if self.options.server_public_key is not None:
+            public, secret = zmq.curve_keypair()
+            sock.curve_serverkey = self.options.server_public_key.encode()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.connect(self.endpoint)
+        self._sock = sock
+        return sock
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        """Close the socket and the context; the client can not be used afterwards."""
+        self._close_socket()
+        self._ctx.term()
+
+    def __enter__(self) -> FeedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def hello(self, deadline_at: float | None = None) -> protocol.Welcome:
+        """Attach to the job, retrying with fresh sockets until the deadline."""
+        opts = self.options
+        deadline_at = deadline_at or time.monotonic() + opts.deadline
+        hello = protocol.Hello(
+            dataset=self.job.dataset,
+            seq_len=self.job.seq_len,
+            batch_size=self.job.batch_size,
+            seed=self.job.seed,
+            world_size=self.job.world_size,
+            rank=self.rank,
+            worker=self.worker,
+            window=opts.window,
+            client=self._name,
+        )
+        wait = min(1.0, opts.request_timeout)
+        while True:
+            sock = self._open()
+            sock.send(hello.header())
+            msg = self._recv(sock, min(wait, max(0.0, deadline_at - time.monotonic())))
+            if isinstance(msg, protocol.Welcome):
+                return self._accept(msg)
+            if isinstance(msg, protocol.Err) and not msg.retry:
+                raise self._error(msg)
+            if time.monotonic() >= deadline_at:
+                self._close_socket()
+                raise ServerUnavailable(
+                    f"no answer from tokenfeed server at {self.endpoint} within "
+                    f"{opts.deadline:.0f}s; check that it runs and that its /readyz says "
+                    "ready, and that the endpoint and port are right"
+                )
+            wait = min(wait * 2, opts.request_timeout)
+
+    def _accept(self, welcome: protocol.Welcome) -> protocol.Welcome:
+        if self.welcome is not None and welcome.fingerprint != self.welcome.fingerprint:
+            raise DatasetChanged(
+                f"dataset {self.job.dataset!r} on {self.endpoint} was replaced while this "
+                "job was reading it; resuming would mix two datasets. Start a new run (or "
+                "restore the old dataset)"
+            )
+        if welcome.dtype not in protocol.DTYPES:
+            raise ProtocolError(f"server announced unknown dtype {welcome.dtype!r}")
+        self.welcome = welcome
+        return welcome
+
+    def _recv(self, sock: zmq.Socket[bytes], timeout: float) -> protocol.Message | None:
+        """One message, or None after ``timeout`` seconds; chunk payloads ride along."""
+        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+            return None
+        frames = sock.recv_multipart(copy=False)
+        msg = protocol.decode_header(frames[0].buffer)
+        if isinstance(msg, protocol.Chunk):
+            self._payload = frames[1:]
+        return msg
+
+    def _error(self, err: protocol.Err) -> ServerError:
+        return ServerError.from_code(
+            err.code, f"{err.message} (server {self.endpoint})", retry=err.retry
+        )
+
+    # -- data ------------------------------------------------------------------------
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[Chunk]:
+        """Chunks for ``requests``, in order, with at most ``window`` in flight."""
+        if self.welcome is None or self._sock is None:
+            self.hello()
+        assert self.welcome is not None
+        window = min(self.options.window, self.welcome.window)
+        todo = iter(requests)
+        ids = iter(range(1 << 62))
+        inflight: collections.OrderedDict[int, Request] = collections.OrderedDict()
+        done: dict[int, Chunk] = {}
+        exhausted = False
+        last_progress = time.monotonic()
+        while True:
+            while not exhausted and len(inflight) < window:
+                req = next(todo, None)
+                if req is None:
+                    exhausted = True
+                    break
+                rid = next(ids)
+                inflight[rid] = req
+                self._send_get(rid, req)
+            if not inflight:
+                return
+            head = next(iter(inflight))
+            if head in done:
+                inflight.pop(head)
+                yield done.pop(head)
+                last_progress = time.monotonic()
+                continue
+            sock = self._sock
+            assert sock is not None
+            msg = self._recv(sock, self.options.request_timeout)
+            if isinstance(msg, protocol.Chunk):
+                if msg.req in inflight and msg.req not in done:
+                    done[msg.req] = self._chunk(inflight[msg.req], msg)
+                continue  # a stale answer (already received) is dropped: no duplicates
+            if isinstance(msg, protocol.Err) and not msg.retry and msg.code != "unknown_job":
+                raise self._error(msg)
+            if isinstance(msg, protocol.Pong):
+                continue
+            # Silence, or a retryable refusal (restarted server, overload): Lazy Pirate.
+            if time.monotonic() - last_progress > self.options.deadline:
+                raise ServerUnavailable(
+                    f"no data from tokenfeed server at {self.endpoint} for "
+                    f"{self.options.deadline:.0f}s; check that it runs (GET /readyz)"
+                )
+            if msg is None:
+                log.warning(
+                    "no answer from %s in %.1fs: reconnecting",
+                    self.endpoint,
+                    self.options.request_timeout,
+                )
+            else:
+                time.sleep(0.05)
+            self.hello(deadline_at=last_progress + self.options.deadline)
+            for rid, req in inflight.items():
+                if rid not in done:
+                    self._send_get(rid, req)
+
+    def _send_get(self, rid: int, req: Request) -> None:
+        assert self._sock is not None and self.welcome is not None
+        get = protocol.Get(
+            req=rid,
+            job=self.welcome.job,
+            rank=self.rank,
+            pos=req.pos,
+            count=req.count,
+            stride=req.stride,
+        )
+        self._sock.send(get.header())
+
+    def _chunk(self, req: Request, header: protocol.Chunk) -> Chunk:
+        tokens, window_ids, epochs = protocol.decode_chunk(header, self._payload)
+        self._payload = []
+        rows = req.count * self.job.batch_size
+        if tokens.shape != (rows, self.job.seq_len + 1):
+            raise ProtocolError(
+                f"chunk for {req} has shape {tokens.shape}, expected "
+                f"({rows}, {self.job.seq_len + 1})"
+            )
+        return Chunk(req, tokens, window_ids, epochs)
+
+
+def pack_requests(
+    steps: Iterable[int], start: int, global_batch: int, max_count: int
+) -> Iterator[Request]:
+    """Group local steps into requests: arithmetic runs of at most ``max_count`` steps.
+
+    A worker's steps are evenly spaced (every K-th step with K workers), so a run of them
+    is one request with ``stride = K``; a chunk then carries several batches and the
+    per-message cost is paid once for all of them.
+    """
+    run: list[int] = []
+    for step in steps:
+        if run and (len(run) == max_count or (len(run) >= 2 and step - run[-1] != run[1] - run[0])):
+            yield _request(run, start, global_batch)
+            run = []
+        run.append(step)
+    if run:
+        yield _request(run, start, global_batch)
+
+
+def _request(run: list[int], start: int, global_batch: int) -> Request:
+    stride = run[1] - run[0] if len(run) > 1 else 1
+    return Request(pos=start + run[0] * global_batch, count=len(run), stride=stride)

@@ -1,0 +1,210 @@
+"""The torch ``IterableDataset`` that runs in every DataLoader worker.
+
+Each worker works out which local steps are its own from ``get_worker_info()`` and the
+plan (worker ``w`` of ``K`` produces local steps ``w, w+K, ...``, the order in which the
+DataLoader takes batches round-robin from its workers), asks the server for exactly
+those, and yields them as batches. No ``worker_init_fn``, no sharding by hand: the
+DataLoader's output is the rank's local steps ``0, 1, 2, ...`` in order, every window of
+every epoch exactly once.
+
+The dataset object holds plain settings only: it pickles (spawn and forkserver work) and
+opens its socket lazily in ``__iter__``, after the worker process exists.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from tokenfeed.client import Chunk, ClientOptions, FeedClient, pack_requests
+from tokenfeed.errors import ConfigError
+from tokenfeed.plan import steps_to_cover, worker_steps
+from tokenfeed.protocol import JobSpec
+
+Batch = dict[str, torch.Tensor]
+
+
+class TokenFeedDataset(IterableDataset[Batch]):
+    """Whole batches of one rank from a tokenfeed server; use with ``batch_size=None``.
+
+    Each batch is a dict of ``input_ids`` and ``labels`` (int64 ``[batch_size, seq_len]``,
+    labels are the inputs shifted by one), ``window_ids`` (int64 ``[batch_size]``, the
+    global window index of each row) and ``epoch`` (int64 ``[batch_size]``).
+
+    Args:
+        endpoint: the server's data endpoint, e.g. ``tcp://127.0.0.1:7400``.
+        dataset: dataset name in the server's store.
+        seq_len, batch_size, seed: the plan inputs (batch_size is per rank).
+        rank, world_size: default from ``torch.distributed`` if initialised, else the
+            ``RANK``/``WORLD_SIZE`` environment variables, else 0 and 1.
+        epochs, samples: end the stream once this many epochs (or stream positions) are
+            covered; every rank stops at the same step. Default: endless.
+        token, tenant: credentials (``token`` defaults to ``TOKENFEED_TOKEN``).
+        server_public_key: the server's CURVE public key, to encrypt the connection.
+        window: requests in flight per worker; request_timeout, deadline: see
+            :class:`tokenfeed.client.FeedClient`.
+        batches_per_item: batches per DataLoader item (the loader splits them again);
+            more per item means less inter-process overhead per batch.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        dataset: str,
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        epochs: int | None = None,
+        samples: int | None = None,
+        token: str | None = None,
+        tenant: str | None = None,
+        server_public_key: str | None = None,
+        window: int = 4,
+        request_timeout: float = 10.0,
+        deadline: float = 120.0,
+        batches_per_item: int = 1,
+    ) -> None:
+        super().__init__()
+        default_rank, default_world = _distributed_defaults()
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
+        if epochs is not None and samples is not None:
+            raise ConfigError("give epochs or samples, not both")
+        if batches_per_item < 1:
+            raise ConfigError("batches_per_item must be >= 1")
+        self.endpoint = endpoint
+        self.job = JobSpec(dataset, seq_len, batch_size, seed, self.world_size)
+        self.epochs = epochs
+        self.samples = samples
+        self.batches_per_item = batches_per_item
+        self.options = ClientOptions(
+            window=window,
+            request_timeout=request_timeout,
+            deadline=deadline,
+            token=token if token is not None else os.environ.get("TOKENFEED_TOKEN"),
+            tenant=tenant or os.environ.get("TOKENFEED_TENANT", "default"),
+            server_public_key=server_public_key,
+        )
+        #: stream position (global samples consumed) that the next ``iter()`` starts at
+        self.position = 0
+        self.n_windows: int | None = None
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per global step: ``world_size * batch_size``."""
+        return self.job.world_size * self.job.batch_size
+
+    def __iter__(self) -> Iterator[Batch]:
+        info = get_worker_info()
+        if info is None:
+            return self._counting(self.iter_worker(0, 1))
+        return self.iter_worker(info.id, info.num_workers)
+
+    def _counting(self, items: Iterator[Batch]) -> Iterator[Batch]:
+        # Iterated directly (no DataLoader): keep our own consumed position.
+        for item in items:
+            self.position += self.global_batch * _batches_in(item, self.batches_per_item)
+            yield item
+
+    def iter_worker(self, worker: int, num_workers: int) -> Iterator[Batch]:
+        """The items of worker ``worker`` of ``num_workers``, from ``self.position`` on."""
+        start = self.position
+        with FeedClient(
+            self.endpoint, self.job, rank=self.rank, worker=worker, options=self.options
+        ) as client:
+            welcome = client.hello()
+            self.n_windows = welcome.n_windows
+            n_steps = self._steps_left(start, welcome.n_windows)
+            sizes: collections.deque[int] = collections.deque()
+
+            def steps() -> Iterator[int]:
+                for item in worker_steps(worker, num_workers, n_steps, self.batches_per_item):
+                    sizes.append(len(item))
+                    yield from item
+
+            requests = pack_requests(steps(), start, self.global_batch, welcome.max_count)
+            pending: list[Batch] = []
+            for chunk in client.stream(requests):
+                for batch in _split(chunk, self.job.batch_size):
+                    pending.append(batch)
+                    if len(pending) == sizes[0]:
+                        sizes.popleft()
+                        yield pending[0] if self.batches_per_item == 1 else _stack(pending)
+                        pending = []
+
+    def _steps_left(self, start: int, n_windows: int) -> int | None:
+        if self.epochs is not None:
+            return steps_to_cover(start, self.epochs * n_windows, self.global_batch)
+        if self.samples is not None:
+            return steps_to_cover(start, self.samples, self.global_batch)
+        return None
+
+    def state_dict(self, position: int | None = None) -> dict[str, Any]:
+        """The resume state: the consumed stream position and the plan inputs it is for."""
+        return {
+            "position": self.position if position is None else position,
+            "dataset": self.job.dataset,
+            "seq_len": self.job.seq_len,
+            "seed": self.job.seed,
+            "batch_size": self.job.batch_size,
+            "world_size": self.job.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position; batch_size and world_size may differ."""
+        for key in ("dataset", "seq_len", "seed"):
+            mine = getattr(self.job, key)
+            if state.get(key) != mine:
+                raise ConfigError(
+                    f"state was saved for {key}={state.get(key)!r} but this dataset has "
+                    f"{key}={mine!r}; resuming would not continue the same stream"
+                )
+        position = state.get("position")
+        if type(position) is not int or position < 0:
+            raise ConfigError(f"state has no valid 'position': {position!r}")
+        self.position = position
+
+
+def _distributed_defaults() -> tuple[int, int]:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as exc:
+        raise ConfigError(f"RANK/WORLD_SIZE must be integers: {exc}") from None
+
+
+def _split(chunk: Chunk, batch_size: int) -> Iterator[Batch]:
+    # The model wants contiguous int64 ids: convert straight from the received buffer, one
+    # pass each for inputs and labels, and no other copy of the tokens.
+    window_ids = chunk.window_ids.copy()  # the received buffer is read-only
+    epochs = chunk.epochs.copy()
+    for b in range(chunk.request.count):
+        rows = slice(b * batch_size, (b + 1) * batch_size)
+        block = chunk.tokens[rows]
+        yield {
+            "input_ids": torch.from_numpy(block[:, :-1].astype(np.int64)),
+            "labels": torch.from_numpy(block[:, 1:].astype(np.int64)),
+            "window_ids": torch.from_numpy(window_ids[rows]),
+            "epoch": torch.from_numpy(epochs[rows]),
+        }
+
+
+def _stack(batches: list[Batch]) -> Batch:
+    return {key: torch.stack([b[key] for b in batches]) for key in batches[0]}
+
+
+def _batches_in(item: Batch, batches_per_item: int) -> int:
+    return 1 if batches_per_item == 1 else int(item["input_ids"].shape[0])

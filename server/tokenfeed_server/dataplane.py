@@ -1,0 +1,496 @@
+"""The data plane: one ROUTER socket, a blocking poll loop in its own thread.
+
+Each loop turn (1) drains what has arrived, validating every header and answering
+``hello`` and ``ping`` at once while queueing ``get`` requests on their job, then (2)
+serves one round of deficit round robin over the jobs with queued requests: each job may
+send up to ``weight x chunk_bytes`` per round, so a job with eight workers and deep
+windows gets the same share as a job with one. Serving a request is a pure function of
+the request (see :func:`tokenfeed_server.store.assemble`), so the server holds no cursor
+and a restarted server answers re-sent requests exactly as the old one would have.
+
+Nothing here blocks on a client: sends use ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a
+vanished or stalled peer only makes its own requests fail, and its state is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from tokenfeed import protocol
+from tokenfeed.errors import (
+    DatasetNotFound,
+    PlanError,
+    ProtocolError,
+    ServerError,
+    StoreError,
+)
+from tokenfeed.plan import Plan
+from tokenfeed.protocol import JobSpec
+from tokenfeed.shards import Dataset
+from tokenfeed_server.config import ServerConfig
+from tokenfeed_server.store import Store, assemble
+
+log = logging.getLogger(__name__)
+
+_DRAIN_MAX = 512  # messages read per turn before serving, so reads cannot starve sends
+_SNAPSHOT_EVERY_S = 0.5
+_RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class Job:
+    """A training run as the server sees it: its plan, queue and counters."""
+
+    id: str
+    spec: JobSpec
+    dataset: Dataset
+    plan: Plan
+    tenant: str
+    weight: float = 1.0
+    queue: collections.deque[tuple[bytes, protocol.Get]] = field(default_factory=collections.deque)
+    deficit: float = 0.0
+    batches: int = 0
+    tokens: int = 0
+    requests: int = 0
+    retransmits: int = 0
+    position: int = 0
+    created: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    high_water: dict[tuple[int, int], int] = field(default_factory=dict)
+    rate_samples: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+
+
+@dataclass
+class Peer:
+    """One client connection (one DataLoader worker) attached to a job."""
+
+    job: str
+    rank: int
+    worker: int
+    tenant: str
+    window: int
+    queued: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+def job_id(spec: JobSpec, fingerprint: str) -> str:
+    """Deterministic id: every rank and worker of a run, and a restarted server, agree."""
+    key = f"{spec}|{fingerprint}".encode()
+    return hashlib.blake2b(key, digest_size=8).hexdigest()
+
+
+class DataPlane:
+    """The ROUTER loop. ``start()`` binds and runs it in a thread; ``stop()`` ends it."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: Store,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]] | None = None,
+        configure_socket: Callable[[zmq.Socket[bytes]], None] | None = None,
+        weight_of: Callable[[str], float] = lambda tenant: 1.0,
+        authorize: Callable[[str, str], ServerError | None] = lambda tenant, ds: None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.instance = uuid.uuid4().hex[:12]
+        self._ctx = context or zmq.Context.instance()
+        self._configure_socket = configure_socket
+        self._weight_of = weight_of
+        self._authorize = authorize
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._startup_error: BaseException | None = None
+        self.endpoint = ""
+        self.jobs: dict[str, Job] = {}
+        self.peers: dict[bytes, Peer] = {}
+        self._rotation: collections.deque[str] = collections.deque()
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.snapshot: dict[str, Any] = {"jobs": [], "connections": 0, "counters": {}}
+        self._last_snapshot = 0.0
+        self._log_budget = _LogBudget()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Bind the socket, start the loop thread, return the bound endpoint."""
+        self._thread = threading.Thread(target=self._run, name="tokenfeed-dataplane", daemon=True)
+        self._thread.start()
+        self._bound.wait()
+        if self._startup_error is not None:
+            raise self._startup_error
+        return self.endpoint
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the loop to finish and wait for it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _bind(self) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
+        # Credit windows bound what is queued per peer; the HWM is only a backstop.
+        sock.setsockopt(zmq.SNDHWM, 4 * self.config.limits.max_window + 8)
+        sock.setsockopt(zmq.RCVHWM, 4096)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        if self._configure_socket is not None:
+            self._configure_socket(sock)
+        host = self.config.host
+        wire_host = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        port = self.config.zmq_port or "*"
+        try:
+            sock.bind(f"tcp://{wire_host}:{port}")
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise StoreError(
+                f"cannot bind the data port tcp://{wire_host}:{port}: {exc}; "
+                "pick another with --zmq-port (0 picks a free one)"
+            ) from None
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return sock
+
+    def _run(self) -> None:
+        try:
+            sock = self._bind()
+        except BaseException as exc:
+            self._startup_error = exc
+            self._bound.set()
+            return
+        self._bound.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                busy = any(job.queue for job in self.jobs.values())
+                if poller.poll(0 if busy else 100):
+                    self._drain(sock)
+                self._serve_round(sock)
+                self._housekeeping()
+        except Exception:  # pragma: no cover - a bug; keep the cause in the log
+            log.exception("data plane crashed")
+            raise
+        finally:
+            sock.close(linger=0)
+
+    # -- receiving -------------------------------------------------------------------
+
+    def _drain(self, sock: zmq.Socket[bytes]) -> None:
+        for _ in range(_DRAIN_MAX):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident = frames[0].bytes
+            tenant = _tenant_of(frames[-1])
+            self.counters["messages"] += 1
+            try:
+                self._handle(sock, ident, tenant, frames[1:])
+            except (ProtocolError, PlanError) as exc:
+                self._reject(sock, ident, "bad_request", str(exc))
+            except ServerError as exc:
+                self._reject(sock, ident, exc.code, str(exc), retry=exc.retry)
+
+    def _handle(
+        self, sock: zmq.Socket[bytes], ident: bytes, tenant: str, frames: list[zmq.Frame]
+    ) -> None:
+        if len(frames) != 1:
+            raise ProtocolError(f"requests are exactly one header frame, got {len(frames)} frames")
+        msg = protocol.decode_header(frames[0].buffer)
+        if isinstance(msg, protocol.Get):
+            self._on_get(sock, ident, msg)
+        elif isinstance(msg, protocol.Hello):
+            self._on_hello(sock, ident, tenant, msg)
+        elif isinstance(msg, protocol.Ping):
+            self._send(sock, ident, [protocol.Pong().header()])
+        else:
+            raise ProtocolError(f"a client may not send {msg.TYPE!r} messages")
+
+    def _on_hello(
+        self, sock: zmq.Socket[bytes], ident: bytes, tenant: str, msg: protocol.Hello
+    ) -> None:
+        limits = self.config.limits
+        denied = self._authorize(tenant, msg.dataset)
+        if denied is not None:
+            raise denied
+        if not 1 <= msg.window <= limits.max_window:
+            raise ServerError.from_code(
+                "bad_request",
+                f"window {msg.window} is outside [1, max_window={limits.max_window}]; "
+                "ask for a smaller credit window",
+            )
+        if msg.batch_size * (msg.seq_len + 1) > limits.max_batch_tokens:
+            raise ServerError.from_code(
+                "bad_request",
+                f"a batch of {msg.batch_size} x {msg.seq_len + 1} tokens exceeds "
+                f"max_batch_tokens={limits.max_batch_tokens}; lower batch_size or seq_len",
+            )
+        if not 0 <= msg.rank < msg.world_size:
+            raise ProtocolError(f"rank {msg.rank} is outside [0, world_size={msg.world_size})")
+        if ident not in self.peers:
+            self._check_connection_caps(tenant)
+        try:
+            ds = self.store.get(msg.dataset)
+        except DatasetNotFound as exc:
+            raise ServerError.from_code("unknown_dataset", str(exc)) from None
+        except StoreError as exc:
+            raise ServerError.from_code(
+                "unknown_dataset", f"dataset {msg.dataset!r} cannot be served: {exc}"
+            ) from None
+        spec = JobSpec(msg.dataset, msg.seq_len, msg.batch_size, msg.seed, msg.world_size)
+        jid = job_id(spec, ds.fingerprint)
+        job = self.jobs.get(jid)
+        if job is None:
+            plan = Plan(
+                n_tokens=ds.n_tokens,
+                seq_len=msg.seq_len,
+                batch_size=msg.batch_size,
+                world_size=msg.world_size,
+                seed=msg.seed,
+            )
+            job = Job(jid, spec, ds, plan, tenant, weight=self._weight_of(tenant))
+            self.jobs[jid] = job
+            self._rotation.append(jid)
+            log.info("job %s: %s (tenant %s)", jid, spec, tenant)
+        old = self.peers.get(ident)
+        if old is not None and old.job != jid:
+            self._forget_peer(ident)
+            old = None
+        peer = old or Peer(jid, msg.rank, msg.worker, tenant, msg.window)
+        peer.window, peer.last_seen = msg.window, time.monotonic()
+        self.peers[ident] = peer
+        batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
+        max_count = max(1, min(self.config.chunk_bytes, limits.max_chunk_bytes) // batch_bytes)
+        welcome = protocol.Welcome(
+            server=self.instance,
+            job=jid,
+            fingerprint=ds.fingerprint,
+            n_tokens=ds.n_tokens,
+            n_windows=job.plan.n_windows,
+            dtype=ds.manifest.dtype,
+            window=msg.window,
+            max_count=max_count,
+        )
+        self._send(sock, ident, [welcome.header()])
+
+    def _check_connection_caps(self, tenant: str) -> None:
+        limits = self.config.limits
+        if len(self.peers) >= limits.max_connections:
+            raise ServerError.from_code(
+                "connection_limit",
+                f"the server has max_connections={limits.max_connections} attached; "
+                "try again later or ask the operator to raise the limit",
+                retry=False,
+            )
+        mine = sum(1 for p in self.peers.values() if p.tenant == tenant)
+        if mine >= limits.max_connections_per_tenant:
+            raise ServerError.from_code(
+                "connection_limit",
+                f"tenant {tenant!r} already has {mine} connections "
+                f"(max_connections_per_tenant={limits.max_connections_per_tenant}); "
+                "use fewer DataLoader workers or ranks, or ask the operator for more",
+            )
+
+    def _on_get(self, sock: zmq.Socket[bytes], ident: bytes, msg: protocol.Get) -> None:
+        peer = self.peers.get(ident)
+        job = self.jobs.get(msg.job)
+        if peer is None or job is None or peer.job != msg.job:
+            # After a server restart the client's job is unknown here: it says hello again
+            # and re-sends; the answer will be identical because requests are pure.
+            raise ServerError.from_code(
+                "unknown_job",
+                f"job {msg.job!r} is not attached on this connection; send hello first",
+                retry=True,
+            )
+        peer.last_seen = time.monotonic()
+        if not 0 <= msg.rank < job.spec.world_size:
+            raise ProtocolError(f"rank {msg.rank} outside [0, {job.spec.world_size})")
+        max_count = max(
+            1,
+            min(self.config.chunk_bytes, self.config.limits.max_chunk_bytes)
+            // (job.spec.batch_size * (job.spec.seq_len + 1) * job.dataset.dtype.itemsize),
+        )
+        if not 1 <= msg.count <= max_count:
+            raise ProtocolError(f"count {msg.count} is outside [1, max_count={max_count}]")
+        if msg.stride < 1 or msg.pos < 0:
+            raise ProtocolError("pos must be >= 0 and stride >= 1")
+        if peer.queued >= peer.window:
+            raise ServerError.from_code(
+                "bad_request",
+                f"more than window={peer.window} requests outstanding on one connection; "
+                "wait for a chunk before sending another get",
+            )
+        last = msg.pos + (msg.count - 1) * msg.stride * job.plan.global_batch
+        if last + job.plan.global_batch >= 1 << 62:
+            raise ProtocolError("stream position would overflow int64")
+        peer.queued += 1
+        job.requests += 1
+        job.last_active = time.monotonic()
+        key = (msg.rank, peer.worker)
+        if msg.pos <= job.high_water.get(key, -1):
+            job.retransmits += 1
+        job.high_water[key] = max(job.high_water.get(key, -1), msg.pos)
+        job.queue.append((ident, msg))
+
+    # -- serving ---------------------------------------------------------------------
+
+    def _serve_round(self, sock: zmq.Socket[bytes]) -> None:
+        quantum = float(self.config.chunk_bytes)
+        for _ in range(len(self._rotation)):
+            jid = self._rotation[0]
+            self._rotation.rotate(-1)
+            job = self.jobs.get(jid)
+            if job is None or not job.queue:
+                if job is not None:
+                    job.deficit = 0.0
+                continue
+            job.deficit += quantum * job.weight
+            while job.queue and job.deficit > 0:
+                ident, req = job.queue.popleft()
+                job.deficit -= self._serve(sock, job, ident, req)
+
+    def _serve(self, sock: zmq.Socket[bytes], job: Job, ident: bytes, req: protocol.Get) -> int:
+        peer = self.peers.get(ident)
+        if peer is None:
+            return 0  # the peer was dropped while this waited: nothing to send
+        peer.queued -= 1
+        tokens, window_ids, epochs = assemble(
+            job.dataset, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
+        )
+        if not self._send(sock, ident, protocol.chunk_frames(req.req, tokens, window_ids, epochs)):
+            return 0
+        job.batches += req.count
+        job.tokens += tokens.size
+        end = req.pos + (req.count - 1) * req.stride * job.plan.global_batch
+        job.position = max(job.position, end + job.plan.global_batch)
+        self.counters["chunks"] += 1
+        self.counters["bytes_sent"] += tokens.nbytes
+        return int(tokens.nbytes)
+
+    def _send(self, sock: zmq.Socket[bytes], ident: bytes, frames: list[Any]) -> bool:
+        try:
+            sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the peer is gone; EAGAIN: it stopped reading past its window.
+            log.info("dropping connection %s: %s", ident.hex(), exc.strerror)
+            self._forget_peer(ident)
+            return False
+        return True
+
+    def _reject(
+        self, sock: zmq.Socket[bytes], ident: bytes, code: str, message: str, *, retry: bool = False
+    ) -> None:
+        self.counters[f"err_{code}"] += 1
+        if self._log_budget.take():
+            log.warning("refused a request from %s: %s: %s", ident.hex(), code, message)
+        err = protocol.Err(code=code, message=message, retry=retry, req=-1)
+        self._send(sock, ident, [err.header()])
+
+    def _forget_peer(self, ident: bytes) -> None:
+        peer = self.peers.pop(ident, None)
+        if peer is None:
+            return
+        job = self.jobs.get(peer.job)
+        if job is not None and peer.queued:
+            job.queue = collections.deque((i, r) for i, r in job.queue if i != ident)
+
+    # -- bookkeeping -----------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now - self._last_snapshot < _SNAPSHOT_EVERY_S:
+            return
+        self._last_snapshot = now
+        for ident, peer in list(self.peers.items()):
+            if now - peer.last_seen > self.config.peer_timeout_s:
+                self._forget_peer(ident)
+        attached = collections.Counter(p.job for p in self.peers.values())
+        for jid, job in list(self.jobs.items()):
+            if (
+                not attached[jid]
+                and not job.queue
+                and now - job.last_active > (self.config.job_ttl_s)
+            ):
+                del self.jobs[jid]
+                self._rotation.remove(jid)
+        self.snapshot = self._make_snapshot(now, attached)
+
+    def _make_snapshot(self, now: float, attached: collections.Counter[str]) -> dict[str, Any]:
+        jobs = []
+        for job in self.jobs.values():
+            job.rate_samples.append((now, job.tokens))
+            while job.rate_samples and now - job.rate_samples[0][0] > _RATE_WINDOW_S:
+                job.rate_samples.popleft()
+            t0, n0 = job.rate_samples[0]
+            rate = (job.tokens - n0) / (now - t0) if now > t0 else 0.0
+            jobs.append(
+                {
+                    "id": job.id,
+                    "tenant": job.tenant,
+                    "dataset": job.spec.dataset,
+                    "seq_len": job.spec.seq_len,
+                    "batch_size": job.spec.batch_size,
+                    "seed": job.spec.seed,
+                    "world_size": job.spec.world_size,
+                    "weight": job.weight,
+                    "workers": attached[job.id],
+                    "requests": job.requests,
+                    "batches_served": job.batches,
+                    "tokens_served": job.tokens,
+                    "tokens_per_s": round(rate, 1),
+                    "position": job.position,
+                    "epoch": job.position // job.plan.n_windows,
+                    "retransmits": job.retransmits,
+                    "queued": len(job.queue),
+                    "created": job.created,
+                }
+            )
+        return {
+            "server": self.instance,
+            "endpoint": self.endpoint,
+            "jobs": jobs,
+            "connections": len(self.peers),
+            "counters": dict(self.counters),
+        }
+
+
+def _tenant_of(frame: zmq.Frame) -> str:
+    # ZAP puts the authenticated identity on every frame; without ZAP there is none.
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return "anonymous"
+    return str(user) if user else "anonymous"
+
+
+class _LogBudget:
+    """At most ``per_s`` warnings a second: a fuzzing client must not flood the log."""
+
+    def __init__(self, per_s: int = 20) -> None:
+        self.per_s = per_s
+        self._second = 0
+        self._used = 0
+
+    def take(self) -> bool:
+        second = int(time.monotonic())
+        if second != self._second:
+            self._second, self._used = second, 0
+        self._used += 1
+        return self._used <= self.per_s

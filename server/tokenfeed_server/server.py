@@ -1,0 +1,96 @@
+"""The server process: store, data plane thread, HTTP on the main thread, clean stop.
+
+Start-up order is what makes ``/readyz`` and the ``ready`` line honest: open and validate
+the store, bind the ZeroMQ socket, bind the HTTP socket, start uvicorn, and only then
+print ``{"event": "ready", ...}`` on stdout (the one line a supervisor or a test waits
+for; all logging goes to stderr). SIGTERM or SIGINT stop uvicorn, then the data plane,
+and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+from typing import IO
+
+import uvicorn
+
+from tokenfeed_server.api import ServerState, create_app
+from tokenfeed_server.config import ServerConfig
+from tokenfeed_server.dataplane import DataPlane
+from tokenfeed_server.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
+    """Run the server until SIGTERM/SIGINT; return the process exit status."""
+    log.info("tokenfeed-server starting: %s", json.dumps(config.public_view()))
+    store = Store(config.store, verify_checksums=config.verify_checksums)
+    store.open_all()
+    dataplane = DataPlane(config, store)
+    zmq_endpoint = dataplane.start()
+    try:
+        http_sock = _bind_http(config.host, config.http_port)
+    except OSError as exc:
+        dataplane.stop()
+        log.error(
+            "cannot bind HTTP port %s:%s: %s; pick another with --http-port",
+            config.host,
+            config.http_port,
+            exc,
+        )
+        return 2
+    host, port = http_sock.getsockname()[:2]
+    http_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    state = ServerState(config, store, dataplane)
+    uv = uvicorn.Server(
+        uvicorn.Config(
+            create_app(state),
+            log_config=None,  # our logging setup (stderr) applies to uvicorn too
+            log_level=config.log_level,
+            access_log=False,
+            lifespan="off",
+        )
+    )
+    # uvicorn re-raises the signal it caught once it has shut down; a handler of ours
+    # turns that into a normal return instead of death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+
+    async def run() -> None:
+        task = asyncio.create_task(uv.serve(sockets=[http_sock]))
+        while not uv.started and not task.done():
+            await asyncio.sleep(0.005)
+        if uv.started:
+            state.ready = True
+            line = {"event": "ready", "zmq": zmq_endpoint, "http": http_url}
+            out = ready_stream or sys.stdout
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+            log.info("ready: data %s, http %s", zmq_endpoint, http_url)
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        state.ready = False
+        dataplane.stop()
+        store.close()
+        http_sock.close()
+        log.info("tokenfeed-server stopped")
+    return 0
+
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
