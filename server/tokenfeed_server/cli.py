@@ -1,0 +1,187 @@
+"""``tokenfeed-server``: the operator's command line.
+
+Each subcommand has an ``_add_<name>(subparsers)`` function that declares its arguments
+and sets its handler; :func:`main` only parses and dispatches. Errors of the tokenfeed
+tree print one line to stderr and exit 2; nothing reads the environment at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+
+from tokenfeed.errors import TokenFeedError
+
+__all__ = ["main"]
+
+EXIT_ERROR = 2
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"TOKENFEED_{name}", default)
+
+
+# ---------------------------------------------------------------------------- prepare
+
+
+def _add_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "prepare",
+        help="tokenize a corpus into a pre-shuffled dataset in the store",
+        description="Tokenize INPUT files/directories (.txt, .jsonl, .parquet, .gz/.zst) "
+        "into a globally shuffled dataset, atomically.",
+    )
+    p.add_argument("inputs", nargs="*", type=Path, metavar="INPUT")
+    p.add_argument("--demo", action="store_true", help="use this Python's stdlib sources")
+    p.add_argument("--store", type=Path, default=None, help="store directory (env TOKENFEED_STORE)")
+    p.add_argument("--dataset", required=True, help="dataset name")
+    p.add_argument(
+        "--tokenizer", default="byte", help="byte (default), bpe:VOCAB, or a tokenizer.json"
+    )
+    p.add_argument("--eos-token", default=None, help="EOS token of a tokenizer.json")
+    p.add_argument("--seed", type=int, default=0, help="seed of the global pre-shuffle")
+    p.add_argument("--text-field", default="text", help="JSONL field / parquet column")
+    p.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    p.add_argument("--memory-mb", type=float, default=None, help="memory budget (512)")
+    p.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: per core)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    p.set_defaults(handler=_run_prepare)
+
+
+def _store_arg(value: Path | None) -> Path:
+    if value is not None:
+        return value
+    env = os.environ.get("TOKENFEED_STORE")
+    if env:
+        return Path(env)
+    raise TokenFeedError("no store given: pass --store DIR or set TOKENFEED_STORE")
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    from tokenfeed_server.prepare import PrepareConfig, PrepareStats, demo_corpus_paths, prepare
+
+    if args.demo and args.inputs:
+        raise TokenFeedError("give INPUT files or --demo, not both")
+    inputs = tuple(demo_corpus_paths()) if args.demo else tuple(args.inputs)
+    if not inputs:
+        raise TokenFeedError("no INPUT given (or pass --demo for the built-in demo corpus)")
+    config = PrepareConfig(
+        inputs=inputs,
+        store=_store_arg(args.store),
+        dataset=args.dataset,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+        text_field=args.text_field,
+        skip_bad=args.skip_bad,
+        overwrite=args.overwrite,
+        memory_mb=args.memory_mb or float(_env("PREPARE_MEMORY_MB", "512")),
+        workers=args.workers,
+        shard_tokens=args.shard_tokens,
+        eos_token=args.eos_token,
+        progress=False if args.no_progress else None,
+    )
+    stats = PrepareStats()
+    manifest = prepare(config, stats)
+    c = stats.corpus
+    print(
+        f"prepared {config.store / manifest.name}: {manifest.documents:,} documents, "
+        f"{manifest.total_tokens:,} tokens ({manifest.dtype}), {len(manifest.shards)} shard(s), "
+        f"{c.text_bytes / 1e6:.1f} MB of text in {stats.seconds:.1f}s"
+    )
+    if c.bad_records:
+        print(f"warning: skipped {c.bad_records} bad record(s)", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def _add_inspect(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        help="print a dataset's manifest summary and verify its checksums",
+        description="Open DIR/NAME (validating every shard), print a summary, verify checksums.",
+    )
+    p.add_argument("path", type=Path, metavar="DIR/NAME")
+    p.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
+    p.set_defaults(handler=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from tokenfeed.shards import open_dataset
+
+    path: Path = args.path
+    with open_dataset(path.parent, path.name) as ds:
+        m = ds.manifest
+        t = m.tokenizer
+        print(f"dataset      {ds.name}  ({ds.path})")
+        print(f"fingerprint  {ds.fingerprint}")
+        print(f"created      {m.created}")
+        print(f"tokenizer    {t.kind}  vocab {t.vocab_size}  eos {t.eos_id}  dtype {m.dtype}")
+        print(f"tokens       {m.total_tokens:,}")
+        print(f"documents    {m.documents:,}")
+        print(f"shuffle seed {m.shuffle_seed}")
+        print(f"shards       {len(m.shards)}")
+        for s in m.shards:
+            print(f"  {s.name}  {s.tokens:>14,} tokens  {s.documents:>10,} docs  {s.checksum}")
+        if args.no_verify:
+            print("checksums    not verified (--no-verify)")
+        else:
+            ds.verify_checksums()
+            print("checksums    ok")
+    return 0
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (one sub-parser per subcommand)."""
+    parser = argparse.ArgumentParser(
+        prog="tokenfeed-server", description="tokenfeed data server and store tools"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_prepare(subparsers)
+    _add_inspect(subparsers)
+    return parser
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    # SIGTERM unwinds like Ctrl-C, so every finally (temp dirs, worker pools) runs.
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tokenfeed-server``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Handler = args.handler
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return handler(args)
+    except TokenFeedError as exc:
+        print(f"tokenfeed-server {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"tokenfeed-server {args.command}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Reading a raw corpus: files and directories in, document texts out.
+
+* ``.jsonl`` / ``.ndjson``: one document per line, the text in a field (``text`` by
+  default); blank lines are skipped.
+* ``.parquet``: one document per row of a string column (needs pyarrow).
+* any other file named explicitly (``.txt``, ``.md``, ``.py`` ...): the whole file is one
+  document.
+* ``.gz`` / ``.zst`` forms of all of these are decompressed on the fly.
+* directories are walked in sorted order; there only known text suffixes are taken
+  (``.txt .text .md .rst .jsonl .ndjson .parquet`` and compressed forms), hidden entries
+  are skipped.
+
+Bad input (unreadable file, corrupt compression, a line that is not JSON, lacks the field
+or is not a string, bytes that are not UTF-8) raises :class:`BadRecord` naming the file
+and line; with ``skip_bad`` it is logged, counted in :class:`CorpusStats` and skipped.
+Empty documents are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, TypeAlias
+
+from tokenfeed.errors import BadRecord, PrepareError
+
+__all__ = ["CorpusStats", "estimate_text_bytes", "expand_inputs", "iter_documents"]
+
+log = logging.getLogger(__name__)
+
+_COMPRESSED = (".gz", ".zst")
+_JSONL = (".jsonl", ".ndjson")
+_WALKED = (".txt", ".text", ".md", ".rst", *_JSONL, ".parquet")
+_MAX_LOGGED_BAD = 20
+
+
+@dataclass
+class CorpusStats:
+    """Counts filled in while reading."""
+
+    files: int = 0
+    documents: int = 0
+    text_bytes: int = 0
+    bad_records: int = 0
+    empty_documents: int = 0
+
+
+def _base_suffix(path: Path) -> str:
+    """The format suffix under any compression suffix: a.jsonl.gz -> .jsonl."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSED:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def expand_inputs(inputs: Sequence[os.PathLike[str] | str]) -> list[Path]:
+    """Resolve input files and directories into the ordered list of files to read."""
+    files: list[Path] = []
+    for raw in inputs:
+        path = Path(raw)
+        if path.is_dir():
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for name in sorted(names):
+                    child = Path(root) / name
+                    if not name.startswith(".") and _base_suffix(child) in _WALKED:
+                        files.append(child)
+        elif path.exists():
+            files.append(path)
+        else:
+            raise PrepareError(f"input {path} does not exist")
+    return files
+
+
+def estimate_text_bytes(files: Sequence[Path]) -> int:
+    """A rough upper estimate of the corpus text size (compressed files count 5x)."""
+    total = 0
+    for path in files:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            continue
+        compressed = path.suffix.lower() in _COMPRESSED or _base_suffix(path) == ".parquet"
+        total += size * 5 if compressed else size
+    return total
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    suffix = path.suffix.lower()
+    if suffix == ".gz":
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    if suffix == ".zst":
+        import zstandard
+
+        raw = path.open("rb")
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
+        return io.BufferedReader(reader)
+    return path.open("rb")
+
+
+def iter_documents(
+    files: Sequence[Path],
+    *,
+    text_field: str = "text",
+    skip_bad: bool = False,
+    stats: CorpusStats | None = None,
+) -> Iterator[str]:
+    """Yield every non-empty document text of ``files`` in order."""
+    stats = stats if stats is not None else CorpusStats()
+    for path in files:
+        stats.files += 1
+        fmt = _base_suffix(path)
+        if fmt in _JSONL:
+            records = _iter_jsonl(path, text_field)
+        elif fmt == ".parquet":
+            records = _iter_parquet(path, text_field)
+        else:
+            records = _iter_text_file(path)
+        for text in records:
+            if isinstance(text, BadRecord):
+                if not skip_bad:
+                    raise text
+                stats.bad_records += 1
+                if stats.bad_records <= _MAX_LOGGED_BAD:
+                    log.warning("skipped bad record: %s", text)
+                continue
+            if not text:
+                stats.empty_documents += 1
+                continue
+            stats.documents += 1
+            stats.text_bytes += len(text)
+            yield text
+
+
+# The readers below *yield* a BadRecord instead of raising it: a generator that raises
+# is finished, and --skip-bad must go on with the next line of the same file.
+_Item: TypeAlias = "str | BadRecord"
+
+
+def _bad(path: Path, line: int | None, what: str) -> BadRecord:
+    where = f"{path}:{line}" if line is not None else str(path)
+    return BadRecord(f"{where}: {what}; fix or remove it, or pass --skip-bad to skip it")
+
+
+def _read_error(path: Path, exc: Exception) -> BadRecord:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return _bad(path, None, f"cannot read file ({type(exc).__name__}: {reason})")
+
+
+def _iter_text_file(path: Path) -> Iterator[_Item]:
+    try:
+        with _open_binary(path) as f:
+            data = f.read()
+    except Exception as exc:  # OSError, gzip/zstd corruption, EOFError: all "unreadable"
+        yield _read_error(path, exc)
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        yield _bad(path, line, f"not valid UTF-8 (byte offset {exc.start})")
+        return
+    yield text
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[_Item]:
+    try:
+        f = _open_binary(path)
+    except OSError as exc:
+        yield _read_error(path, exc)
+        return
+    with f:
+        lineno = 0
+        while True:
+            try:
+                raw = f.readline()
+            except Exception as exc:
+                yield _read_error(path, exc)
+                return
+            if not raw:
+                return
+            lineno += 1
+            if not raw.strip():
+                continue
+            yield _parse_json_line(path, lineno, raw, text_field)
+
+
+def _parse_json_line(path: Path, lineno: int, raw: bytes, text_field: str) -> _Item:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _bad(path, lineno, f"not valid UTF-8 (column {exc.start + 1})")
+    try:
+        record: Any = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return _bad(path, lineno, f"not valid JSON ({exc.msg})")
+    if not isinstance(record, dict):
+        return _bad(path, lineno, f"expected a JSON object, got {type(record).__name__}")
+    if text_field not in record:
+        return _bad(path, lineno, f"no field {text_field!r} (use --text-field to pick another)")
+    text = record[text_field]
+    if not isinstance(text, str):
+        return _bad(path, lineno, f"field {text_field!r} is {type(text).__name__}, not a string")
+    return text
+
+
+def _iter_parquet(path: Path, text_field: str) -> Iterator[_Item]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepareError(
+            f"{path}: reading parquet needs pyarrow: pip install 'tokenfeed-server[parquet]'"
+        ) from None
+    try:
+        pf = pq.ParquetFile(path)
+        if text_field not in pf.schema_arrow.names:
+            yield _bad(path, None, f"no column {text_field!r} (use --text-field)")
+            return
+        row = 0
+        for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if isinstance(value, str):
+                    yield value
+                else:
+                    what = f"column {text_field!r} is {type(value).__name__}, not a string"
+                    yield _bad(path, row, what)
+    except Exception as exc:  # pyarrow raises its own ArrowException family
+        yield _read_error(path, exc)

@@ -1,0 +1,470 @@
+"""The prepare pipeline: raw corpus -> tokenized, globally pre-shuffled dataset.
+
+Two passes, memory bounded by ``PrepareConfig.memory_mb`` and never by the corpus size:
+
+1. *Scatter*: documents are read in order and tokenized in chunks by a process pool
+   (at most ``2 * workers`` chunks in flight). Document ``i`` gets a random 64-bit key
+   ``splitmix64(seed, i)``; its tokens go to the on-disk bucket named by the key's top
+   bits. Bucket writes are buffered and flushed when the buffers reach a quarter of the
+   budget.
+2. *Gather*: buckets are loaded one at a time, their documents sorted by key, and
+   streamed into :class:`~tokenfeed.shards.DatasetWriter`. A bucket larger than its share
+   of the budget is split on disk by the next key bits first (recursively).
+
+So the output order is "all documents sorted by a seeded random key": a uniform global
+shuffle that depends only on the seed and the corpus, not on the memory budget, the
+number of workers, or how buckets were split. The writer and all scratch files live in
+``.tmp-`` directories inside the store, removed on any error or interrupt (and, after a
+SIGKILL, by the next run).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenfeed.errors import DatasetExists, PrepareError
+from tokenfeed.shards import (
+    MANIFEST_NAME,
+    DatasetWriter,
+    Manifest,
+    clean_stale_temp_dirs,
+    make_temp_dir,
+    validate_dataset_name,
+)
+from tokenfeed_server.corpus import CorpusStats, estimate_text_bytes, expand_inputs, iter_documents
+from tokenfeed_server.progress import Progress
+from tokenfeed_server.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, parse_spec, train_bpe
+
+__all__ = ["PrepareConfig", "PrepareStats", "demo_corpus_paths", "prepare", "splitmix64"]
+
+log = logging.getLogger(__name__)
+
+_MAX_BUCKET_BITS = 12
+_SPLIT_BITS = 4
+_CHUNK_DOCS = 4096
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Everything one prepare run needs; built once (by the CLI) and passed down."""
+
+    inputs: tuple[Path, ...]
+    store: Path
+    dataset: str
+    tokenizer: str = "byte"
+    seed: int = 0
+    text_field: str = "text"
+    skip_bad: bool = False
+    overwrite: bool = False
+    memory_mb: float = 512.0
+    workers: int = 0  # 0: one per CPU core
+    shard_tokens: int = 1 << 26
+    eos_token: str | None = None
+    progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
+
+    @property
+    def memory_bytes(self) -> int:
+        """The memory budget in bytes."""
+        return int(self.memory_mb * (1 << 20))
+
+    def resolved_workers(self) -> int:
+        """Worker processes to tokenize with (>= 1)."""
+        return self.workers if self.workers > 0 else max(1, os.cpu_count() or 1)
+
+
+@dataclass
+class PrepareStats:
+    """What a run did; filled in by :func:`prepare` for the CLI, tests and benchmarks."""
+
+    corpus: CorpusStats = field(default_factory=CorpusStats)
+    tokens: int = 0
+    buckets: int = 0
+    bucket_splits: int = 0
+    peak_bucket_bytes: int = 0
+    seconds: float = 0.0
+
+
+def splitmix64(seed: int, index: np.ndarray) -> np.ndarray:
+    """Seeded 64-bit random key per document index (vectorized splitmix64 finalizer)."""
+    with np.errstate(over="ignore"):
+        z = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z += np.uint64((seed * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) % (1 << 64))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        out: np.ndarray = z ^ (z >> np.uint64(31))
+        return out
+
+
+# ------------------------------------------------------------------ buckets on disk
+
+
+class _Buckets:
+    """Documents scattered into ``n = 2**bits`` bucket files by bits of their key.
+
+    Bucket ``b`` is ``b<b>.tok`` (tokens back to back) and ``b<b>.idx`` (per document:
+    uint64 length, uint64 key). ``shift`` selects which key bits pick the bucket.
+    """
+
+    def __init__(
+        self, directory: Path, bits: int, shift: int, dtype: np.dtype[Any], flush_bytes: int
+    ) -> None:
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.n = 1 << bits
+        self.shift = np.uint64(shift)
+        self.mask = np.uint64(self.n - 1)
+        self.dtype = dtype
+        self.flush_bytes = flush_bytes
+        self._tok: list[list[np.ndarray]] = [[] for _ in range(self.n)]
+        self._idx: list[list[np.ndarray]] = [[] for _ in range(self.n)]
+        self._buffered = 0
+
+    def paths(self, b: int) -> tuple[Path, Path]:
+        return self.dir / f"b{b}.tok", self.dir / f"b{b}.idx"
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
+        if self.n == 1:
+            which = np.zeros(len(lengths), dtype=np.uint16)
+        else:
+            which = ((keys >> self.shift) & self.mask).astype(np.uint16)
+        # Group by bucket keeping input order inside each (stable radix sort on uint16).
+        doc_order = np.argsort(which, kind="stable")
+        tok_order = np.argsort(np.repeat(which, lengths), kind="stable")
+        doc_counts = np.bincount(which, minlength=self.n)
+        tok_counts = np.bincount(which, weights=lengths, minlength=self.n).astype(np.int64)
+        idx = np.stack([lengths.astype(np.uint64), keys], axis=1)[doc_order]
+        grouped = tokens[tok_order]
+        d = t = 0
+        for b in np.flatnonzero(doc_counts).tolist():
+            nd, nt = int(doc_counts[b]), int(tok_counts[b])
+            self._idx[b].append(idx[d : d + nd])
+            self._tok[b].append(grouped[t : t + nt])
+            d += nd
+            t += nt
+        self._buffered += grouped.nbytes + idx.nbytes
+        if self._buffered >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        for b in range(self.n):
+            if not self._idx[b]:
+                continue
+            tok_path, idx_path = self.paths(b)
+            with tok_path.open("ab") as f:
+                for arr in self._tok[b]:
+                    f.write(arr.data.cast("B"))
+            with idx_path.open("ab") as f:
+                for arr in self._idx[b]:
+                    f.write(np.ascontiguousarray(arr).data.cast("B"))
+            self._tok[b].clear()
+            self._idx[b].clear()
+        self._buffered = 0
+
+
+def _iter_bucket_pieces(
+    tok_path: Path, idx_path: Path, dtype: np.dtype[Any], max_bytes: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Stream a bucket as (tokens, lengths, keys) pieces of about ``max_bytes``."""
+    docs_per_read = max(1, max_bytes // 16)
+    with tok_path.open("rb") as tok_f, idx_path.open("rb") as idx_f:
+        while True:
+            idx = np.fromfile(idx_f, dtype=np.uint64, count=2 * docs_per_read).reshape(-1, 2)
+            if len(idx) == 0:
+                return
+            lengths = idx[:, 0].astype(np.int64)
+            ends = np.cumsum(lengths) * dtype.itemsize
+            start = 0
+            while start < len(idx):
+                base = int(ends[start - 1]) if start else 0
+                stop = int(np.searchsorted(ends, base + max_bytes, side="right"))
+                stop = max(stop, start + 1)
+                count = int(lengths[start:stop].sum())
+                tokens = np.fromfile(tok_f, dtype=dtype, count=count)
+                yield tokens, lengths[start:stop], idx[start:stop, 1]
+                start = stop
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _WORKER_TOKENIZER
+    # One Rust thread per worker process: the pool already uses every core.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _WORKER_TOKENIZER is not None
+    return _WORKER_TOKENIZER.encode_batch(texts)
+
+
+def _chunks(texts: Iterable[str], max_bytes: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= max_bytes or len(chunk) >= _CHUNK_DOCS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _encoded_chunks(
+    tokenizer: Tokenizer, texts: Iterable[str], workers: int, chunk_bytes: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Tokenize in order; with several workers, a bounded window of chunks in flight."""
+    if workers <= 1:
+        for chunk in _chunks(texts, chunk_bytes):
+            yield tokenizer.encode_batch(chunk)
+        return
+    # spawn, not fork: the parent may hold Rust/tqdm threads that a fork would copy mid-lock.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        pending: deque[Any] = deque()
+        for chunk in _chunks(texts, chunk_bytes):
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _build_tokenizer(config: PrepareConfig, files: list[Path]) -> Tokenizer:
+    kind, arg = parse_spec(config.tokenizer)
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "file":
+        return HFTokenizer.from_file(arg, eos_token=config.eos_token)
+    log.info("training a byte-level BPE with %d entries on the corpus", arg)
+    texts = iter_documents(files, text_field=config.text_field, skip_bad=config.skip_bad)
+    return train_bpe(texts, arg)
+
+
+def _bucket_bits(estimated_bytes: int, bucket_bytes: int) -> int:
+    if estimated_bytes <= bucket_bytes:
+        return 0
+    return min(_MAX_BUCKET_BITS, math.ceil(math.log2(estimated_bytes / bucket_bytes)))
+
+
+def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifest:
+    """Build dataset ``config.dataset`` in ``config.store`` from ``config.inputs``.
+
+    Raises PrepareError (BadRecord for bad input), DatasetExists, InvalidDatasetName.
+    Leaves nothing behind on failure.
+    """
+    stats = stats if stats is not None else PrepareStats()
+    started = time.perf_counter()
+    validate_dataset_name(config.dataset)
+    if config.memory_bytes < 1 << 20:
+        raise PrepareError(f"--memory-mb must be at least 1, got {config.memory_mb}")
+    target = config.store / config.dataset
+    if target.exists() and not config.overwrite:
+        raise DatasetExists(
+            f"dataset {config.dataset!r} already exists in {config.store}; pass --overwrite"
+        )
+    files = expand_inputs(config.inputs)
+    if not files:
+        raise PrepareError(
+            f"no input files found in {', '.join(map(str, config.inputs)) or '(no inputs)'}"
+        )
+    config.store.mkdir(parents=True, exist_ok=True)
+    for stale in clean_stale_temp_dirs(config.store):
+        log.info("removed stale temp dir %s of an interrupted run", stale)
+    tokenizer = _build_tokenizer(config, files)
+    scratch = make_temp_dir(config.store, config.dataset)
+    try:
+        extra: dict[str, Path] = {}
+        tokenizer_json = tokenizer.json()
+        if tokenizer_json is not None and tokenizer.info.file:
+            (scratch / tokenizer.info.file).write_text(tokenizer_json, encoding="utf-8")
+            extra[tokenizer.info.file] = scratch / tokenizer.info.file
+        buckets = _scatter(config, files, tokenizer, scratch / "buckets", stats)
+        if stats.corpus.documents == 0:
+            raise PrepareError(
+                f"empty corpus: no non-empty documents in {len(files)} input file(s) "
+                f"({stats.corpus.bad_records} bad records, "
+                f"{stats.corpus.empty_documents} empty documents)"
+            )
+        with DatasetWriter(
+            config.store,
+            config.dataset,
+            tokenizer=tokenizer.info,
+            shuffle_seed=config.seed,
+            shard_tokens=config.shard_tokens,
+            overwrite=config.overwrite,
+            extra_files=extra,
+        ) as writer:
+            for b in range(buckets.n):
+                _gather_bucket(
+                    buckets,
+                    b,
+                    writer=writer,
+                    config=config,
+                    stats=stats,
+                    depth_bits=64 - int(buckets.shift),
+                )
+            manifest = writer.commit()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    stats.seconds = time.perf_counter() - started
+    assert (config.store / config.dataset / MANIFEST_NAME).is_file()
+    return manifest
+
+
+def _scatter(
+    config: PrepareConfig,
+    files: list[Path],
+    tokenizer: Tokenizer,
+    directory: Path,
+    stats: PrepareStats,
+) -> _Buckets:
+    budget = config.memory_bytes
+    workers = config.resolved_workers()
+    itemsize = tokenizer.dtype.itemsize
+    # Budget shares: scatter buffers 1/4, chunks in flight 1/8, a loaded bucket 1/4 (x2
+    # for its sorted copy), leaving room for the interpreter's own overhead.
+    bucket_bytes = budget // 4
+    chunk_bytes = max(1 << 12, min(1 << 20, budget // (8 * 2 * max(workers, 1) * 4)))
+    estimated = estimate_text_bytes(files) * itemsize
+    bits = _bucket_bits(estimated, bucket_bytes)
+    buckets = _Buckets(directory, bits, 64 - bits, tokenizer.dtype, flush_bytes=budget // 4)
+    stats.buckets = buckets.n
+    texts = iter_documents(
+        files, text_field=config.text_field, skip_bad=config.skip_bad, stats=stats.corpus
+    )
+    doc_index = 0
+    with Progress(enabled=config.progress, desc=f"prepare {config.dataset}") as progress:
+        for tokens, lengths in _encoded_chunks(tokenizer, texts, workers, chunk_bytes):
+            keys = splitmix64(config.seed, np.arange(doc_index, doc_index + len(lengths)))
+            doc_index += len(lengths)
+            buckets.add(tokens, lengths, keys)
+            stats.tokens += len(tokens) + len(lengths)
+            progress.update(len(lengths), len(tokens) + len(lengths), stats.corpus.text_bytes)
+    buckets.flush()
+    return buckets
+
+
+def _gather_bucket(
+    buckets: _Buckets,
+    b: int,
+    *,
+    writer: DatasetWriter,
+    config: PrepareConfig,
+    stats: PrepareStats,
+    depth_bits: int,
+) -> None:
+    """Write bucket ``b`` sorted by key; split it first if it exceeds its memory share."""
+    tok_path, idx_path = buckets.paths(b)
+    if not idx_path.exists():
+        return
+    size = tok_path.stat().st_size + idx_path.stat().st_size
+    limit = config.memory_bytes // 4
+    n_docs = idx_path.stat().st_size // 16
+    if size > limit and n_docs > 1 and depth_bits < 64:
+        bits = min(_SPLIT_BITS, 64 - depth_bits)
+        sub = _Buckets(
+            tok_path.parent / f"split-{b}",
+            bits,
+            64 - depth_bits - bits,
+            buckets.dtype,
+            flush_bytes=config.memory_bytes // 4,
+        )
+        for tokens, lengths, keys in _iter_bucket_pieces(
+            tok_path, idx_path, buckets.dtype, limit // 2
+        ):
+            sub.add(tokens, lengths, keys)
+        sub.flush()
+        tok_path.unlink()
+        idx_path.unlink()
+        stats.bucket_splits += 1
+        for s in range(sub.n):
+            _gather_bucket(
+                sub, s, writer=writer, config=config, stats=stats, depth_bits=depth_bits + bits
+            )
+        shutil.rmtree(sub.dir, ignore_errors=True)
+        return
+    stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, size)
+    idx = np.fromfile(idx_path, dtype=np.uint64).reshape(-1, 2)
+    tokens = np.fromfile(tok_path, dtype=buckets.dtype)
+    lengths = idx[:, 0].astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    order = np.argsort(idx[:, 1], kind="stable").tolist()
+    del idx
+    # Emit in pieces so the copy in sorted order never holds a second whole bucket.
+    piece_tokens = max(1, config.memory_bytes // (16 * buckets.dtype.itemsize))
+    parts: list[np.ndarray] = []
+    part_lengths: list[int] = []
+    held = 0
+    for d in order:
+        a, z = offsets[d], offsets[d + 1]
+        parts.append(tokens[a:z])
+        part_lengths.append(z - a)
+        held += z - a
+        if held >= piece_tokens:
+            writer.add_batch(np.concatenate(parts), np.asarray(part_lengths, dtype=np.int64))
+            parts, part_lengths, held = [], [], 0
+    if parts:
+        writer.add_batch(np.concatenate(parts), np.asarray(part_lengths, dtype=np.int64))
+    tok_path.unlink()
+    idx_path.unlink()
+
+
+# ------------------------------------------------------------------ demo corpus
+
+
+def demo_corpus_paths(max_bytes: int = 30 << 20) -> list[Path]:
+    """Real text that needs no download: this interpreter's standard library sources.
+
+    The ``.py`` files (and any ``.txt``/``.rst`` docs) under the stdlib directory, in
+    sorted order, up to ``max_bytes`` in total; site-packages and test data excluded.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    picked: list[Path] = []
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")
+        )
+        for name in sorted(filenames):
+            if not name.endswith((".py", ".txt", ".rst")):
+                continue
+            path = Path(dirpath) / name
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            if size == 0 or total + size > max_bytes or not _is_utf8(path):
+                continue
+            picked.append(path)
+            total += size
+    if not picked:
+        raise PrepareError(f"no standard library sources found under {root} ({sys.executable})")
+    return picked
+
+
+def _is_utf8(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return True
