@@ -63,6 +63,8 @@ class ClientOptions:
     """Timeouts, window and credentials of a client; one object, passed down."""
 
     window: int = 4
+    #: ask for chunks of about this size (the server may cap it lower)
+    chunk_bytes: int = 1 << 20
     request_timeout: float = 10.0
     deadline: float = 120.0
     token: str | None = None

@@ -25,7 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from tokenfeed.client import Chunk, ClientOptions, FeedClient, pack_requests
 from tokenfeed.errors import ConfigError
 from tokenfeed.plan import steps_to_cover, worker_steps
-from tokenfeed.protocol import JobSpec
+from tokenfeed.protocol import DTYPES, JobSpec
 
 Batch = dict[str, torch.Tensor]
 
@@ -47,7 +47,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
             covered; every rank stops at the same step. Default: endless.
         token, tenant: credentials (``token`` defaults to ``TOKENFEED_TOKEN``).
         server_public_key: the server's CURVE public key, to encrypt the connection.
-        window: requests in flight per worker; request_timeout, deadline: see
+        window: requests in flight per worker; chunk_bytes: about how much data one
+            request asks for (several batches per message); request_timeout, deadline: see
             :class:`tokenfeed.client.FeedClient`.
         batches_per_item: batches per DataLoader item (the loader splits them again);
             more per item means less inter-process overhead per batch.
@@ -69,6 +70,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         tenant: str | None = None,
         server_public_key: str | None = None,
         window: int = 4,
+        chunk_bytes: int = 1 << 20,
         request_timeout: float = 10.0,
         deadline: float = 120.0,
         batches_per_item: int = 1,
@@ -90,6 +92,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         self.batches_per_item = batches_per_item
         self.options = ClientOptions(
             window=window,
+            chunk_bytes=chunk_bytes,
             request_timeout=request_timeout,
             deadline=deadline,
             token=token if token is not None else os.environ.get("TOKENFEED_TOKEN"),
@@ -133,7 +136,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
                     sizes.append(len(item))
                     yield from item
 
-            requests = pack_requests(steps(), start, self.global_batch, welcome.max_count)
+            itemsize = DTYPES[welcome.dtype].itemsize
+            batch_bytes = self.job.batch_size * (self.job.seq_len + 1) * itemsize
+            per_chunk = max(1, min(welcome.max_count, self.options.chunk_bytes // batch_bytes))
+            requests = pack_requests(steps(), start, self.global_batch, per_chunk)
             pending: list[Batch] = []
             for chunk in client.stream(requests):
                 for batch in _split(chunk, self.job.batch_size):

@@ -141,6 +141,31 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- serve
+
+
+def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from tokenfeed_server.config import add_serve_arguments
+
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a store over ZeroMQ, with HTTP status",
+        description="Serve every dataset of a store. Prints one JSON 'ready' line on stdout "
+        "once the data and HTTP ports are bound; logs go to stderr; SIGTERM stops cleanly.",
+    )
+    add_serve_arguments(p)
+    p.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from tokenfeed_server.config import config_from_args
+    from tokenfeed_server.server import serve
+
+    config = config_from_args(args, os.environ)
+    logging.getLogger().setLevel(config.log_level.upper())
+    return serve(config)
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -153,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_prepare(subparsers)
     _add_inspect(subparsers)
+    _add_serve(subparsers)
     return parser
 
 
