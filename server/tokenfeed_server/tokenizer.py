@@ -95,6 +95,9 @@ class HFTokenizer(Tokenizer):
             self._tok = RustTokenizer.from_str(json_text)
         except Exception as exc:  # the Rust side raises a bare Exception
             raise PrepareError(f"cannot load tokenizer ({kind}): {exc}") from exc
+        # Text that spells a special token (say "<|endoftext|>" in a document about
+        # tokenizers) must stay text: only the writer may put EOS into the stream.
+        self._tok.encode_special_tokens = True
         eos_id = _find_eos(self._tok, eos_token)
         file_hash = "blake2b-128:" + hashlib.blake2b(json_text.encode(), digest_size=16).hexdigest()
         self.info = TokenizerInfo(

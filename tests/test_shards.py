@@ -1,0 +1,274 @@
+"""The on-disk format: round trip, reads across shards, validation at open, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenfeed.errors import (
+    CorruptShard,
+    DatasetExists,
+    DatasetNotFound,
+    InvalidDatasetName,
+    ManifestError,
+    PrepareError,
+)
+from tokenfeed.shards import (
+    HEADER_SIZE,
+    TEMP_PREFIX,
+    Manifest,
+    TokenizerInfo,
+    clean_stale_temp_dirs,
+    list_datasets,
+    open_dataset,
+    validate_dataset_name,
+    write_dataset,
+)
+
+BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
+
+
+def _docs(n: int, seed: int = 0, vocab: int = 256) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=int(rng.integers(0, 40))) for _ in range(n)]
+
+
+def _stream(docs: list[np.ndarray], eos: int) -> np.ndarray:
+    return np.concatenate([np.append(d, eos) for d in docs])
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.mark.parametrize("shard_tokens", [1, 7, 100, 1 << 20])
+def test_round_trip_across_shard_boundaries(store: Path, shard_tokens: int) -> None:
+    docs = _docs(60)
+    m = write_dataset(store, "d", docs, tokenizer=BYTE, shuffle_seed=3, shard_tokens=shard_tokens)
+    ref = _stream(docs, 256)
+    with open_dataset(store, "d", verify_checksums=True) as ds:
+        assert ds.dtype == np.dtype("<u2")
+        assert (ds.n_tokens, ds.n_documents) == (len(ref), 60)
+        assert m.total_tokens == len(ref)
+        assert all(s.tokens == shard_tokens for s in m.shards[:-1])
+        np.testing.assert_array_equal(ds.read(0, ds.n_tokens), ref)
+        for a, b in [(0, 0), (5, 6), (3, 250), (len(ref) - 9, len(ref))]:
+            np.testing.assert_array_equal(ds.read(a, b), ref[a:b])
+        starts = np.random.default_rng(1).integers(0, len(ref) - 17, size=200)
+        rows = ds.gather(starts, 17)
+        assert rows.shape == (200, 17) and rows.dtype == ds.dtype
+        for i, s in enumerate(starts):
+            np.testing.assert_array_equal(rows[i], ref[s : s + 17])
+        doc_starts = np.concatenate([[0], np.cumsum([len(d) + 1 for d in docs])[:-1]])
+        np.testing.assert_array_equal(ds.document_starts(0, ds.n_tokens), doc_starts)
+        sel = doc_starts[(doc_starts >= 50) & (doc_starts < 300)]
+        np.testing.assert_array_equal(ds.document_starts(50, 300), sel)
+
+
+def test_gather_into_out_and_bounds(store: Path) -> None:
+    write_dataset(store, "d", _docs(30), tokenizer=BYTE, shuffle_seed=0, shard_tokens=50)
+    ds = open_dataset(store, "d")
+    out = np.zeros((3, 10), dtype=ds.dtype)
+    assert ds.gather(np.array([0, 45, ds.n_tokens - 10]), 10, out=out) is out
+    np.testing.assert_array_equal(out[1], ds.read(45, 55))
+    with pytest.raises(IndexError, match="outside dataset"):
+        ds.gather(np.array([ds.n_tokens - 9]), 10)
+    with pytest.raises(IndexError):
+        ds.gather(np.array([-1]), 10)
+    with pytest.raises(ValueError, match="shape"):
+        ds.gather(np.array([0]), 10, out=np.zeros((2, 10), dtype=ds.dtype))
+    with pytest.raises(IndexError):
+        ds.read(0, ds.n_tokens + 1)
+    assert ds.gather(np.array([], dtype=np.int64), 10).shape == (0, 10)
+
+
+def test_uint32_for_large_vocab(store: Path) -> None:
+    info = TokenizerInfo(kind="big", vocab_size=100_000, eos_id=99_999)
+    docs = _docs(10, vocab=99_999)
+    write_dataset(store, "big", docs, tokenizer=info, shuffle_seed=0)
+    ds = open_dataset(store, "big", verify_checksums=True)
+    assert ds.dtype == np.dtype("<u4")
+    np.testing.assert_array_equal(ds.read(0, ds.n_tokens), _stream(docs, 99_999))
+
+
+def test_out_of_vocab_tokens_rejected_and_nothing_left(store: Path) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        write_dataset(store, "d", [np.array([1, 2, 300])], tokenizer=BYTE, shuffle_seed=0)
+    assert list_datasets(store) == []
+    assert os.listdir(store) == []
+
+
+def test_empty_dataset_rejected(store: Path) -> None:
+    with pytest.raises(PrepareError, match="empty"):
+        write_dataset(store, "d", [], tokenizer=BYTE, shuffle_seed=0)
+    assert os.listdir(store) == []
+
+
+def test_exists_and_overwrite(store: Path) -> None:
+    write_dataset(store, "d", _docs(5), tokenizer=BYTE, shuffle_seed=0)
+    old = open_dataset(store, "d")
+    old_view = old.read(0, old.n_tokens).copy()
+    with pytest.raises(DatasetExists, match="overwrite"):
+        write_dataset(store, "d", _docs(5, seed=9), tokenizer=BYTE, shuffle_seed=0)
+    write_dataset(store, "d", _docs(7, seed=9), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
+    new = open_dataset(store, "d")
+    assert new.n_documents == 7 and new.fingerprint != old.fingerprint
+    # A reader that had the old dataset open keeps reading the old data.
+    np.testing.assert_array_equal(old.read(0, old.n_tokens), old_view)
+    assert sorted(os.listdir(store)) == ["d"]
+
+
+def test_fingerprint_is_content_only(store: Path) -> None:
+    a = write_dataset(store, "a", _docs(5), tokenizer=BYTE, shuffle_seed=0)
+    b = write_dataset(store, "b", _docs(5), tokenizer=BYTE, shuffle_seed=0)
+    c = write_dataset(store, "c", _docs(5), tokenizer=BYTE, shuffle_seed=1)
+    assert Manifest.from_json(a.to_json()) == a
+    assert a.fingerprint != b.fingerprint  # the name is part of the content
+    assert Manifest.from_json(a.to_json().replace(a.created, "2000-01-01")).fingerprint == (
+        a.fingerprint
+    )
+    assert c.fingerprint != a.fingerprint
+
+
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "../x", "a/b", ".hidden", "-x", "a..b", "x" * 129, "a b", "é"]
+)
+def test_invalid_dataset_names(store: Path, name: str) -> None:
+    with pytest.raises(InvalidDatasetName):
+        validate_dataset_name(name)
+    with pytest.raises(InvalidDatasetName):
+        open_dataset(store, name)
+    with pytest.raises(InvalidDatasetName):
+        write_dataset(store, name, _docs(1), tokenizer=BYTE, shuffle_seed=0)
+
+
+def test_valid_names() -> None:
+    for name in ["a", "A-1.b_c", "x" * 128, "9"]:
+        assert validate_dataset_name(name) == name
+
+
+def test_missing_dataset(store: Path) -> None:
+    write_dataset(store, "there", _docs(2), tokenizer=BYTE, shuffle_seed=0)
+    with pytest.raises(DatasetNotFound, match="there"):
+        open_dataset(store, "nope")
+
+
+# ---------------------------------------------------------------- corruption at open
+
+
+@pytest.fixture
+def two_shards(store: Path) -> Path:
+    write_dataset(store, "d", _docs(40), tokenizer=BYTE, shuffle_seed=0, shard_tokens=400)
+    return store / "d"
+
+
+def _shard(path: Path, i: int = 1) -> Path:
+    return path / f"shard-{i:06d}.bin"
+
+
+def test_truncated_shard(store: Path, two_shards: Path) -> None:
+    shard = _shard(two_shards)
+    shard.write_bytes(shard.read_bytes()[:-3])
+    with pytest.raises(CorruptShard, match=r"shard-000001\.bin.*truncated.*--overwrite"):
+        open_dataset(store, "d")
+
+
+def test_trailing_bytes(store: Path, two_shards: Path) -> None:
+    with _shard(two_shards).open("ab") as f:
+        f.write(b"x")
+    with pytest.raises(CorruptShard, match="trailing"):
+        open_dataset(store, "d")
+
+
+def test_short_header(store: Path, two_shards: Path) -> None:
+    _shard(two_shards).write_bytes(b"TKF")
+    with pytest.raises(CorruptShard, match="truncated header"):
+        open_dataset(store, "d")
+
+
+@pytest.mark.parametrize(
+    ("offset", "value", "message"),
+    [(0, b"XXXXXXXX", "magic"), (8, b"\x09", "version"), (12, b"\x02", "dtype"),
+     (16, b"\x01", "tokens"), (24, b"\x63", "documents")],
+)  # fmt: skip
+def test_bad_header_fields(
+    store: Path, two_shards: Path, offset: int, value: bytes, message: str
+) -> None:
+    shard = _shard(two_shards)
+    data = bytearray(shard.read_bytes())
+    data[offset : offset + len(value)] = value
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptShard, match=rf"shard-000001\.bin.*{message}"):
+        open_dataset(store, "d")
+
+
+def test_flipped_token_fails_checksum_only(store: Path, two_shards: Path) -> None:
+    shard = _shard(two_shards)
+    data = bytearray(shard.read_bytes())
+    data[HEADER_SIZE + 10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    open_dataset(store, "d").close()  # sizes and header are fine
+    with pytest.raises(CorruptShard, match=r"shard-000001\.bin.*checksum"):
+        open_dataset(store, "d", verify_checksums=True)
+
+
+def test_missing_shard(store: Path, two_shards: Path) -> None:
+    _shard(two_shards, 0).unlink()
+    with pytest.raises(CorruptShard, match="missing"):
+        open_dataset(store, "d")
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: "{not json",
+        lambda m: "[]",
+        lambda m: json.dumps({**m, "format_version": 99}),
+        lambda m: json.dumps({**m, "dtype": "float32"}),
+        lambda m: json.dumps({**m, "total_tokens": m["total_tokens"] + 1}),
+        lambda m: json.dumps({**m, "shards": []}),
+        lambda m: json.dumps({k: v for k, v in m.items() if k != "tokenizer"}),
+        lambda m: json.dumps({**m, "shards": [{**m["shards"][0], "name": "../x"}]}),
+    ],
+)
+def test_bad_manifest(store: Path, two_shards: Path, mutate: object) -> None:
+    path = two_shards / "manifest.json"
+    original = json.loads(path.read_text())
+    path.write_text(mutate(original))  # type: ignore[operator]
+    with pytest.raises(ManifestError, match=r"manifest\.json"):
+        open_dataset(store, "d")
+
+
+def test_missing_manifest_is_not_listed(store: Path, two_shards: Path) -> None:
+    (two_shards / "manifest.json").unlink()
+    assert list_datasets(store) == []
+    with pytest.raises(ManifestError, match="manifest"):
+        open_dataset(store, "d")
+
+
+def test_list_ignores_temp_dirs_and_cleans_dead_ones(store: Path) -> None:
+    write_dataset(store, "real", _docs(2), tokenizer=BYTE, shuffle_seed=0)
+    dead = store / f"{TEMP_PREFIX}x-999999999-abcd"
+    live = store / f"{TEMP_PREFIX}y-{os.getpid()}-abcd"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "manifest.json").write_text("{}")
+    assert list_datasets(store) == ["real"]
+    assert clean_stale_temp_dirs(store) == [dead]
+    assert live.exists() and not dead.exists()
+    assert list_datasets(tmp := store / "missing") == [] and not tmp.exists()
+
+
+def test_writer_large_array_fast_path(store: Path) -> None:
+    big = np.arange(3_000_000, dtype=np.int64) % 256
+    m = write_dataset(store, "big", [big, big[:10]], tokenizer=BYTE, shuffle_seed=0,
+                      shard_tokens=1 << 20)  # fmt: skip
+    ds = open_dataset(store, "big")
+    assert m.documents == 2 and len(m.shards) == 3
+    np.testing.assert_array_equal(ds.read(1_048_000, 1_049_000), big[1_048_000:1_049_000])
+    np.testing.assert_array_equal(ds.document_starts(0, ds.n_tokens), [0, 3_000_001])
