@@ -82,15 +82,13 @@ class PrepareConfig:
         return int(self.memory_mb * (1 << 20))
 
     def resolved_workers(self) -> int:
-        """Worker processes to tokenize with (>= 1).
+        """Tokenizer processes (>= 1); auto (0) means tokenize in this process.
 
-        Auto (0) means one per core, except for the byte tokenizer: encoding is a memcpy
-        there, and shipping text to worker processes costs more than it saves (measured
-        in benchmarks/bench_prepare.py: ~100 MB/s in-process vs ~40 MB/s with 2 workers).
+        Measured (benchmarks/bench_prepare.py, 2 cores): the byte tokenizer is a memcpy and
+        a pool only adds IPC (98 vs 40 MB/s); tokenizers' Rust encode_batch already uses
+        every core in-process (bpe: 1.5 vs 0.6 MB/s with a 2-process pool).
         """
-        if self.workers > 0:
-            return self.workers
-        return 1 if self.tokenizer == "byte" else max(1, os.cpu_count() or 1)
+        return self.workers if self.workers > 0 else 1
 
 
 @dataclass
