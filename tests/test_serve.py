@@ -233,7 +233,7 @@ def test_restart_mid_epoch_changes_nothing(store: Path, tmp_path: Path) -> None:
                 ).start()
         served = 0
         deadline = time.monotonic() + 5
-        while not served and time.monotonic() < deadline:  # snapshot refreshes at 2 Hz
+        while served < steps - 40 and time.monotonic() < deadline:  # snapshot: 2 Hz
             served = sum(j["batches_served"] for j in srv.get("/v1/jobs").json())
             time.sleep(0.1)
     finally:

@@ -16,6 +16,7 @@ progress is made for ``deadline`` seconds the client raises
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
 import socket
@@ -26,9 +27,12 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from tokenfeed import protocol
 from tokenfeed.errors import (
+    AuthenticationFailed,
     DatasetChanged,
     ProtocolError,
     ServerError,
@@ -37,6 +41,12 @@ from tokenfeed.errors import (
 from tokenfeed.protocol import JobSpec
 
 log = logging.getLogger(__name__)
+
+_HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +78,19 @@ class ClientOptions:
     request_timeout: float = 10.0
     deadline: float = 120.0
     token: str | None = None
-    tenant: str = "default"
     server_public_key: str | None = None
+
+
+def curve_keypair_from_token(token: str) -> tuple[bytes, bytes]:
+    """The CURVE (public, secret) key pair, Z85-encoded, that a token implies.
+
+    Deriving the pair from the token lets one secret do both jobs under CURVE: the
+    server knows each tenant's public key from its token and identifies the tenant in the
+    handshake, while the token itself never crosses the wire.
+    """
+    seed = hashlib.blake2b(token.encode(), digest_size=32, person=b"tokenfeed-curve").digest()
+    secret = z85.encode(seed)
+    return zmq.curve_public(secret), secret
 
 
 class FeedClient:
@@ -93,6 +114,7 @@ class FeedClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._payload: list[Any] = []
+        self._monitor: zmq.Socket[bytes] | None = None
         self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}"
 
     # -- connection ------------------------------------------------------------------
@@ -105,22 +127,46 @@ class FeedClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
-        if self.options.token is not None:
-            sock.plain_username = self.options.tenant.encode()
-            sock.plain_password = self.options.token.encode()
+        token = self.options.token
         if self.options.server_public_key is not None:
-            public, secret = zmq.curve_keypair()
+            public, secret = curve_keypair_from_token(token) if token else zmq.curve_keypair()
             sock.curve_serverkey = self.options.server_public_key.encode()
             sock.curve_publickey = public
             sock.curve_secretkey = secret
+        elif token is not None:
+            sock.plain_username = b"tokenfeed"  # the token alone names the tenant
+            sock.plain_password = token.encode()
+        # Handshake failures (wrong token, missing token) are invisible on the socket
+        # itself: libzmq just retries. The monitor reports them so we can fail at once.
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
         sock.connect(self.endpoint)
         self._sock = sock
         return sock
 
     def _close_socket(self) -> None:
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def _check_handshake(self) -> None:
+        mon = self._monitor
+        while mon is not None and mon.poll(0):
+            event = recv_monitor_message(mon)["event"]
+            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise AuthenticationFailed(
+                    f"the server at {self.endpoint} refused the token; check token= or "
+                    "TOKENFEED_TOKEN against what the operator gave you"
+                )
+            if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                raise AuthenticationFailed(
+                    f"handshake with {self.endpoint} failed: the server and this client "
+                    "disagree on security (the server may need a token (token= or "
+                    "TOKENFEED_TOKEN) or a CURVE key (server_public_key=), or not accept one)"
+                )
 
     def close(self) -> None:
         """Close the socket and the context; the client can not be used afterwards."""
@@ -180,8 +226,18 @@ class FeedClient:
 
     def _recv(self, sock: zmq.Socket[bytes], timeout: float) -> protocol.Message | None:
         """One message, or None after ``timeout`` seconds; chunk payloads ride along."""
-        if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-            return None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        end = time.monotonic() + timeout
+        while True:
+            ready = dict(poller.poll(max(0, int((end - time.monotonic()) * 1000))))
+            self._check_handshake()
+            if sock in ready:
+                break
+            if time.monotonic() >= end:
+                return None
         frames = sock.recv_multipart(copy=False)
         msg = protocol.decode_header(frames[0].buffer)
         if isinstance(msg, protocol.Chunk):

@@ -45,7 +45,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             ``RANK``/``WORLD_SIZE`` environment variables, else 0 and 1.
         epochs, samples: end the stream once this many epochs (or stream positions) are
             covered; every rank stops at the same step. Default: endless.
-        token, tenant: credentials (``token`` defaults to ``TOKENFEED_TOKEN``).
+        token: the tenant's token (default: the ``TOKENFEED_TOKEN`` environment variable).
         server_public_key: the server's CURVE public key, to encrypt the connection.
         window: requests in flight per worker; chunk_bytes: about how much data one
             request asks for (several batches per message); request_timeout, deadline: see
@@ -67,7 +67,6 @@ class TokenFeedDataset(IterableDataset[Batch]):
         epochs: int | None = None,
         samples: int | None = None,
         token: str | None = None,
-        tenant: str | None = None,
         server_public_key: str | None = None,
         window: int = 4,
         chunk_bytes: int = 1 << 20,
@@ -96,7 +95,6 @@ class TokenFeedDataset(IterableDataset[Batch]):
             request_timeout=request_timeout,
             deadline=deadline,
             token=token if token is not None else os.environ.get("TOKENFEED_TOKEN"),
-            tenant=tenant or os.environ.get("TOKENFEED_TENANT", "default"),
             server_public_key=server_public_key,
         )
         #: stream position (global samples consumed) that the next ``iter()`` starts at

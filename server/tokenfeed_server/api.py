@@ -7,15 +7,17 @@ store answers dataset look-ups; no handler touches a ZeroMQ socket.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tokenfeed.errors import InvalidDatasetName, StoreError
 from tokenfeed_server import __version__
+from tokenfeed_server.auth import Tenant, Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane import DataPlane
 from tokenfeed_server.store import Store, summary
@@ -26,11 +28,54 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class ServerState:
     """What the HTTP side may read: config, store, data plane, and the ready flag."""
 
-    def __init__(self, config: ServerConfig, store: Store, dataplane: DataPlane) -> None:
+    def __init__(
+        self, config: ServerConfig, store: Store, dataplane: DataPlane, tenants: Tenants | None
+    ) -> None:
         self.config = config
         self.store = store
         self.dataplane = dataplane
+        self.tenants = tenants
         self.ready = False
+
+
+class Viewer:
+    """Who is asking over HTTP: everyone (open server), the admin, or one tenant."""
+
+    def __init__(self, tenant: Tenant | None, admin: bool) -> None:
+        self.tenant = tenant
+        self.admin = admin
+
+    def sees_tenant(self, name: str) -> bool:
+        return self.admin or (self.tenant is not None and self.tenant.name == name)
+
+    def sees_dataset(self, name: str) -> bool:
+        return self.admin or (self.tenant is not None and self.tenant.may_read(name))
+
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def _viewer(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Viewer:
+    tenants = request.app.state.tokenfeed.tenants
+    if tenants is None:
+        return Viewer(None, admin=True)  # an open server has nothing to hide
+    if credentials is None:
+        raise HTTPException(
+            401, "send 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+        )
+    token = credentials.credentials
+    if tenants.is_admin(token):
+        return Viewer(None, admin=True)
+    tenant = tenants.authenticate(token)
+    if tenant is None:
+        raise HTTPException(401, "unknown token", headers={"WWW-Authenticate": "Bearer"})
+    return Viewer(tenant, admin=False)
+
+
+Who = Annotated[Viewer, Depends(_viewer)]
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -38,6 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="tokenfeed-server", version=__version__)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(state))
+    app.state.tokenfeed = state
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -53,13 +99,15 @@ def create_app(state: ServerState) -> FastAPI:
         return {"status": "ready", "zmq": state.dataplane.endpoint}
 
     @app.get("/v1/datasets")
-    def datasets() -> list[dict[str, Any]]:
-        """Summaries of every dataset in the store (broken ones with their error)."""
-        return state.store.summaries()
+    def datasets(who: Who) -> list[dict[str, Any]]:
+        """Summaries of the datasets the caller may read (broken ones with their error)."""
+        return [d for d in state.store.summaries() if who.sees_dataset(d["name"])]
 
     @app.get("/v1/datasets/{name}")
-    def dataset(name: str) -> dict[str, Any]:
+    def dataset(name: str, who: Who) -> dict[str, Any]:
         """Manifest summary of one dataset."""
+        if not who.sees_dataset(name):
+            raise HTTPException(status_code=404, detail=f"no dataset {name!r} for this token")
         try:
             return summary(state.store.get(name))
         except InvalidDatasetName as exc:
@@ -70,9 +118,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise HTTPException(status_code=409, detail=str(exc)) from None
 
     @app.get("/v1/jobs")
-    def jobs() -> list[dict[str, Any]]:
+    def jobs(who: Who) -> list[dict[str, Any]]:
         """Per job: dataset, plan inputs, workers, batches, tokens, tokens/s, position."""
-        return list(state.dataplane.snapshot["jobs"])
+        return [j for j in state.dataplane.snapshot["jobs"] if who.sees_tenant(j["tenant"])]
 
     @app.get("/v1/limits")
     def limits() -> dict[str, int]:

@@ -168,6 +168,34 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+# ---------------------------------------------------------------------------- keygen
+
+
+def _add_keygen(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "keygen",
+        help="write a CURVE key pair for encrypted serving",
+        description="Write DIR/server.key (secret, mode 0600; give it to serve with "
+        "--curve-secret-key) and DIR/server.key.pub (give it to clients).",
+    )
+    p.add_argument("directory", type=Path, metavar="DIR")
+    p.set_defaults(handler=_run_keygen)
+
+
+def _run_keygen(args: argparse.Namespace) -> int:
+    from tokenfeed_server.security import keygen
+
+    try:
+        secret, public = keygen(args.directory)
+    except FileExistsError:
+        raise TokenFeedError(
+            f"{args.directory / 'server.key'} exists; remove it or choose another DIR"
+        ) from None
+    print(f"secret key: {secret} (keep it private)")
+    print(f"public key: {public}: {public.read_text().strip()}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -181,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(subparsers)
     _add_inspect(subparsers)
     _add_serve(subparsers)
+    _add_keygen(subparsers)
     return parser
 
 

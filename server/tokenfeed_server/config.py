@@ -58,6 +58,18 @@ class ServerConfig:
     job_ttl_s: float = 600.0
     verify_checksums: bool = False
     log_level: str = "info"
+    #: TOML file of tenants (tokens, datasets, caps, weights); see tokenfeed_server.auth
+    tenants_file: Path | None = None
+    #: one shared token for every client (instead of a tenants file); a secret
+    token: str | None = field(default=None, repr=False)
+    #: token that sees every job and dataset over HTTP; a secret
+    admin_token: str | None = field(default=None, repr=False)
+    #: serve without authentication on a non-loopback address (loudly)
+    insecure: bool = False
+    #: file with the server's CURVE secret key (``tokenfeed-server keygen``): encrypts
+    curve_secret_key_file: Path | None = None
+    #: cap on the tokens the server sends per second, 0 for none (shares a busy box)
+    max_tokens_per_s: int = 0
 
     def is_loopback(self) -> bool:
         """True when the server listens on loopback only."""
@@ -78,7 +90,16 @@ class ServerConfig:
             "chunk_bytes": self.chunk_bytes,
             "peer_timeout_s": self.peer_timeout_s,
             "limits": self.limits.as_dict(),
+            "auth": self.auth_mode(),
+            "curve": self.curve_secret_key_file is not None,
+            "max_tokens_per_s": self.max_tokens_per_s,
         }
+
+    def auth_mode(self) -> str:
+        """``tenants``, ``token``, or ``open`` (no authentication)."""
+        if self.tenants_file is not None:
+            return "tenants"
+        return "token" if self.token else "open"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +124,29 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="hash every shard at start-up (slow on big stores)",
     )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--tenants",
+        type=Path,
+        dest="tenants_file",
+        help="TOML tenants file [TOKENFEED_TENANTS_FILE]",
+    )
+    parser.add_argument("--token", help="one shared client token [TOKENFEED_TOKEN]")
+    parser.add_argument("--admin-token", help="HTTP admin token [TOKENFEED_ADMIN_TOKEN]")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="allow no authentication on a non-loopback address",
+    )
+    parser.add_argument(
+        "--curve-secret-key",
+        type=Path,
+        dest="curve_secret_key_file",
+        help="CURVE secret key file, encrypts traffic [TOKENFEED_CURVE_SECRET_KEY_FILE]",
+    )
+    parser.add_argument(
+        "--max-tokens-per-s", type=int, help="cap on tokens sent per second, 0 = none [0]"
+    )
     for name, default in Limits().as_dict().items():
         parser.add_argument(
             f"--{name.replace('_', '-')}",
@@ -146,6 +190,12 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         chunk_bytes=pick("chunk_bytes", defaults.chunk_bytes, int),
         verify_checksums=bool(pick("verify_checksums", False, _flag)),
         log_level=pick("log_level", defaults.log_level),
+        tenants_file=pick("tenants_file", None, Path),
+        token=pick("token", None) or None,
+        admin_token=pick("admin_token", None) or None,
+        insecure=bool(pick("insecure", False, _flag)),
+        curve_secret_key_file=pick("curve_secret_key_file", None, Path),
+        max_tokens_per_s=pick("max_tokens_per_s", 0, int),
     )
 
 

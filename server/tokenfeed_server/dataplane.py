@@ -37,6 +37,7 @@ from tokenfeed.errors import (
 from tokenfeed.plan import Plan
 from tokenfeed.protocol import JobSpec
 from tokenfeed.shards import Dataset
+from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.store import Store, assemble
 
@@ -59,6 +60,7 @@ class Job:
     weight: float = 1.0
     queue: collections.deque[tuple[bytes, protocol.Get]] = field(default_factory=collections.deque)
     deficit: float = 0.0
+    in_turn: bool = False
     batches: int = 0
     tokens: int = 0
     requests: int = 0
@@ -83,9 +85,9 @@ class Peer:
     last_seen: float = field(default_factory=time.monotonic)
 
 
-def job_id(spec: JobSpec, fingerprint: str) -> str:
+def job_id(spec: JobSpec, fingerprint: str, tenant: str) -> str:
     """Deterministic id: every rank and worker of a run, and a restarted server, agree."""
-    key = f"{spec}|{fingerprint}".encode()
+    key = f"{spec}|{fingerprint}|{tenant}".encode()
     return hashlib.blake2b(key, digest_size=8).hexdigest()
 
 
@@ -99,16 +101,15 @@ class DataPlane:
         *,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         configure_socket: Callable[[zmq.Socket[bytes]], None] | None = None,
-        weight_of: Callable[[str], float] = lambda tenant: 1.0,
-        authorize: Callable[[str, str], ServerError | None] = lambda tenant, ds: None,
+        tenants: Tenants | None = None,
     ) -> None:
         self.config = config
         self.store = store
         self.instance = uuid.uuid4().hex[:12]
         self._ctx = context or zmq.Context.instance()
         self._configure_socket = configure_socket
-        self._weight_of = weight_of
-        self._authorize = authorize
+        self.tenants = tenants
+        self._bucket = _TokenBucket(config.max_tokens_per_s)
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._thread: threading.Thread | None = None
@@ -180,7 +181,8 @@ class DataPlane:
         try:
             while not self._stop.is_set():
                 busy = any(job.queue for job in self.jobs.values())
-                if poller.poll(0 if busy else 100):
+                wait = self._bucket.wait_ms() if busy else 100
+                if poller.poll(wait):
                     self._drain(sock)
                 self._serve_round(sock)
                 self._housekeeping()
@@ -215,7 +217,7 @@ class DataPlane:
             raise ProtocolError(f"requests are exactly one header frame, got {len(frames)} frames")
         msg = protocol.decode_header(frames[0].buffer)
         if isinstance(msg, protocol.Get):
-            self._on_get(sock, ident, msg)
+            self._on_get(sock, ident, tenant, msg)
         elif isinstance(msg, protocol.Hello):
             self._on_hello(sock, ident, tenant, msg)
         elif isinstance(msg, protocol.Ping):
@@ -227,9 +229,10 @@ class DataPlane:
         self, sock: zmq.Socket[bytes], ident: bytes, tenant: str, msg: protocol.Hello
     ) -> None:
         limits = self.config.limits
-        denied = self._authorize(tenant, msg.dataset)
-        if denied is not None:
-            raise denied
+        if self.tenants is not None:
+            denied = self.tenants.authorize(tenant, msg.dataset)
+            if denied is not None:
+                raise denied
         if not 1 <= msg.window <= limits.max_window:
             raise ServerError.from_code(
                 "bad_request",
@@ -255,7 +258,7 @@ class DataPlane:
                 "unknown_dataset", f"dataset {msg.dataset!r} cannot be served: {exc}"
             ) from None
         spec = JobSpec(msg.dataset, msg.seq_len, msg.batch_size, msg.seed, msg.world_size)
-        jid = job_id(spec, ds.fingerprint)
+        jid = job_id(spec, ds.fingerprint, tenant)
         job = self.jobs.get(jid)
         if job is None:
             plan = Plan(
@@ -265,7 +268,8 @@ class DataPlane:
                 world_size=msg.world_size,
                 seed=msg.seed,
             )
-            job = Job(jid, spec, ds, plan, tenant, weight=self._weight_of(tenant))
+            weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
+            job = Job(jid, spec, ds, plan, tenant, weight=weight)
             self.jobs[jid] = job
             self._rotation.append(jid)
             log.info("job %s: %s (tenant %s)", jid, spec, tenant)
@@ -300,18 +304,21 @@ class DataPlane:
                 retry=False,
             )
         mine = sum(1 for p in self.peers.values() if p.tenant == tenant)
-        if mine >= limits.max_connections_per_tenant:
+        own = self.tenants.max_connections(tenant) if self.tenants is not None else None
+        cap = own or limits.max_connections_per_tenant
+        if mine >= cap:
             raise ServerError.from_code(
                 "connection_limit",
-                f"tenant {tenant!r} already has {mine} connections "
-                f"(max_connections_per_tenant={limits.max_connections_per_tenant}); "
+                f"tenant {tenant!r} already has {mine} connections (its cap is {cap}); "
                 "use fewer DataLoader workers or ranks, or ask the operator for more",
             )
 
-    def _on_get(self, sock: zmq.Socket[bytes], ident: bytes, msg: protocol.Get) -> None:
+    def _on_get(
+        self, sock: zmq.Socket[bytes], ident: bytes, tenant: str, msg: protocol.Get
+    ) -> None:
         peer = self.peers.get(ident)
         job = self.jobs.get(msg.job)
-        if peer is None or job is None or peer.job != msg.job:
+        if peer is None or job is None or peer.job != msg.job or peer.tenant != tenant:
             # After a server restart the client's job is unknown here: it says hello again
             # and re-sends; the answer will be identical because requests are pure.
             raise ServerError.from_code(
@@ -355,16 +362,22 @@ class DataPlane:
         quantum = float(self.config.chunk_bytes)
         for _ in range(len(self._rotation)):
             jid = self._rotation[0]
-            self._rotation.rotate(-1)
             job = self.jobs.get(jid)
-            if job is None or not job.queue:
-                if job is not None:
-                    job.deficit = 0.0
-                continue
-            job.deficit += quantum * job.weight
-            while job.queue and job.deficit > 0:
-                ident, req = job.queue.popleft()
-                job.deficit -= self._serve(sock, job, ident, req)
+            if job is not None and job.queue:
+                if not job.in_turn:  # a turn paused by the egress cap keeps its quantum
+                    job.deficit += quantum * job.weight
+                    job.in_turn = True
+                while job.queue and job.deficit > 0:
+                    if not self._bucket.ready():
+                        return  # the same job resumes its turn when tokens refill
+                    ident, req = job.queue.popleft()
+                    sent = self._serve(sock, job, ident, req)
+                    job.deficit -= sent
+                    self._bucket.spend(sent // job.dataset.dtype.itemsize)
+                job.in_turn = False
+            elif job is not None:
+                job.deficit = 0.0  # idle jobs bank no credit (deficit round robin)
+            self._rotation.rotate(-1)
 
     def _serve(self, sock: zmq.Socket[bytes], job: Job, ident: bytes, req: protocol.Get) -> int:
         peer = self.peers.get(ident)
@@ -478,6 +491,34 @@ def _tenant_of(frame: zmq.Frame) -> str:
     except zmq.ZMQError:
         return "anonymous"
     return str(user) if user else "anonymous"
+
+
+class _TokenBucket:
+    """Egress cap in tokens per second (0: none); allows bursts of a tenth of a second."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self.level = rate / 10
+        self.stamp = time.monotonic()
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self.level = min(self.rate / 10, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+
+    def ready(self) -> bool:
+        if not self.rate:
+            return True
+        self._refill()
+        return self.level > 0
+
+    def spend(self, tokens: int) -> None:
+        self.level -= tokens
+
+    def wait_ms(self) -> int:
+        if not self.rate or self.ready():
+            return 0
+        return max(1, int(-self.level / self.rate * 1000) + 1)
 
 
 class _LogBudget:

@@ -18,7 +18,9 @@ import sys
 from typing import IO
 
 import uvicorn
+import zmq
 
+from tokenfeed_server import security
 from tokenfeed_server.api import ServerState, create_app
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane import DataPlane
@@ -30,9 +32,18 @@ log = logging.getLogger(__name__)
 def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; return the process exit status."""
     log.info("tokenfeed-server starting: %s", json.dumps(config.public_view()))
+    tenants = security.tenants_for(config)
     store = Store(config.store, verify_checksums=config.verify_checksums)
     store.open_all()
-    dataplane = DataPlane(config, store)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    zap = security.start_zap(context, tenants)
+    dataplane = DataPlane(
+        config,
+        store,
+        context=context,
+        tenants=tenants,
+        configure_socket=security.socket_setup(config, tenants),
+    )
     zmq_endpoint = dataplane.start()
     try:
         http_sock = _bind_http(config.host, config.http_port)
@@ -47,7 +58,7 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
         return 2
     host, port = http_sock.getsockname()[:2]
     http_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    state = ServerState(config, store, dataplane)
+    state = ServerState(config, store, dataplane, tenants)
     uv = uvicorn.Server(
         uvicorn.Config(
             create_app(state),
@@ -80,6 +91,9 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     finally:
         state.ready = False
         dataplane.stop()
+        if zap is not None:
+            zap.stop()
+        context.term()
         store.close()
         http_sock.close()
         log.info("tokenfeed-server stopped")
