@@ -52,7 +52,7 @@ def _add_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     p.add_argument("--memory-mb", type=float, default=None, help="memory budget (512)")
     p.add_argument(
-        "--workers", type=int, default=0, help="tokenizer processes (0: auto, one per core)"
+        "--workers", type=int, default=0, help="tokenizer processes (0: auto, in-process)"
     )
     p.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
