@@ -94,6 +94,10 @@ class LiveServer:
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.get(self.http + path, timeout=10.0, **kwargs)
 
+    def get_at(self, host: str, path: str) -> httpx.Response:
+        """GET through another address of this server (for one bound to 0.0.0.0)."""
+        return httpx.get(f"http://{host}:{self.http_port}{path}", timeout=10.0)
+
     def kill(self) -> None:
         """SIGKILL: the crash case."""
         if self.proc is not None and self.proc.poll() is None:

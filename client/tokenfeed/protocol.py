@@ -200,7 +200,8 @@ def decode_header(frame: bytes | memoryview) -> Message:
             f"protocol version {version!r} is not supported (this end speaks v{VERSION}); "
             "install matching versions of tokenfeed and tokenfeed-server"
         )
-    cls = _TYPES.get(obj.pop("t", None))
+    kind = obj.pop("t", None)
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type; expected one of {sorted(_TYPES)}")
     hints = _HINTS[cls]

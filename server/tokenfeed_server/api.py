@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -140,7 +141,7 @@ def create_app(state: ServerState) -> FastAPI:
             "config": state.config.public_view(),
         }
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> Response:
         """Prometheus text exposition."""
         return Response(generate_latest(registry), media_type=PROMETHEUS_CONTENT_TYPE)

@@ -209,6 +209,9 @@ class DataPlane:
                 self._reject(sock, ident, "bad_request", str(exc))
             except ServerError as exc:
                 self._reject(sock, ident, exc.code, str(exc), retry=exc.retry)
+            except Exception:  # a bug must cost one request, never the server
+                log.exception("internal error handling a request from %s", ident.hex())
+                self._reject(sock, ident, "internal", "internal server error; see server log")
 
     def _handle(
         self, sock: zmq.Socket[bytes], ident: bytes, tenant: str, frames: list[zmq.Frame]
@@ -233,12 +236,10 @@ class DataPlane:
             denied = self.tenants.authorize(tenant, msg.dataset)
             if denied is not None:
                 raise denied
-        if not 1 <= msg.window <= limits.max_window:
-            raise ServerError.from_code(
-                "bad_request",
-                f"window {msg.window} is outside [1, max_window={limits.max_window}]; "
-                "ask for a smaller credit window",
-            )
+        if msg.window < 1:
+            raise ProtocolError(f"window must be >= 1, got {msg.window}")
+        # The credit window is negotiated: the server grants at most its max_window.
+        window = min(msg.window, limits.max_window)
         if msg.batch_size * (msg.seq_len + 1) > limits.max_batch_tokens:
             raise ServerError.from_code(
                 "bad_request",
@@ -277,8 +278,8 @@ class DataPlane:
         if old is not None and old.job != jid:
             self._forget_peer(ident)
             old = None
-        peer = old or Peer(jid, msg.rank, msg.worker, tenant, msg.window)
-        peer.window, peer.last_seen = msg.window, time.monotonic()
+        peer = old or Peer(jid, msg.rank, msg.worker, tenant, window)
+        peer.window, peer.last_seen = window, time.monotonic()
         self.peers[ident] = peer
         batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
         max_count = max(1, min(self.config.chunk_bytes, limits.max_chunk_bytes) // batch_bytes)
@@ -289,7 +290,7 @@ class DataPlane:
             n_tokens=ds.n_tokens,
             n_windows=job.plan.n_windows,
             dtype=ds.manifest.dtype,
-            window=msg.window,
+            window=window,
             max_count=max_count,
         )
         self._send(sock, ident, [welcome.header()])
@@ -384,9 +385,20 @@ class DataPlane:
         if peer is None:
             return 0  # the peer was dropped while this waited: nothing to send
         peer.queued -= 1
-        tokens, window_ids, epochs = assemble(
-            job.dataset, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
-        )
+        try:
+            tokens, window_ids, epochs = assemble(
+                job.dataset, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
+            )
+        except Exception:  # e.g. a shard file truncated under a running server
+            log.exception("cannot assemble %s for job %s", req, job.id)
+            err = protocol.Err(
+                code="internal",
+                message="the server could not read the dataset; the operator should check its log",
+                retry=True,
+                req=req.req,
+            )
+            self._send(sock, ident, [err.header()])
+            return 0
         if not self._send(sock, ident, protocol.chunk_frames(req.req, tokens, window_ids, epochs)):
             return 0
         job.batches += req.count
@@ -402,7 +414,8 @@ class DataPlane:
             sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the peer is gone; EAGAIN: it stopped reading past its window.
-            log.info("dropping connection %s: %s", ident.hex(), exc.strerror)
+            if self._log_budget.take():
+                log.info("dropping connection %s: %s", ident.hex()[:16], exc.strerror)
             self._forget_peer(ident)
             return False
         return True
@@ -412,7 +425,7 @@ class DataPlane:
     ) -> None:
         self.counters[f"err_{code}"] += 1
         if self._log_budget.take():
-            log.warning("refused a request from %s: %s: %s", ident.hex(), code, message)
+            log.warning("refused a request from %s: %s: %s", ident.hex()[:16], code, message)
         err = protocol.Err(code=code, message=message, retry=retry, req=-1)
         self._send(sock, ident, [err.header()])
 

@@ -1,0 +1,353 @@
+"""A shared server: tenants, tokens, CURVE, fair share, limits. Real processes, loopback."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from live_server import LiveServer
+from tokenfeed import TokenFeedDataset, protocol
+from tokenfeed.client import ClientOptions, FeedClient, Request
+from tokenfeed.errors import (
+    AuthenticationFailed,
+    ConnectionLimit,
+    DatasetForbidden,
+    RequestRejected,
+)
+from tokenfeed.protocol import JobSpec
+from tokenfeed.shards import TokenizerInfo, write_dataset
+from tokenfeed_server.auth import token_digest
+
+pytestmark = pytest.mark.network
+
+ALICE = "alice-token-0123456789abcdef"
+BOB = "bob-token-fedcba9876543210xyz"
+CAPPED = "capped-token-abcdefghijklmnop"
+ADMIN = "admin-token-zyxwvutsrqponmlkj"
+SHARED = "shared-token-0000111122223333"
+SECRETS = (ALICE, BOB, CAPPED, ADMIN, SHARED)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("store")
+    rng = np.random.default_rng(1)
+    docs = [
+        rng.integers(0, 256, size=int(n), dtype=np.uint16)
+        for n in rng.integers(100, 5000, size=400)
+    ]
+    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
+    for name in ("alpha", "beta-1"):
+        write_dataset(root, name, docs, tokenizer=byte, shuffle_seed=0)
+    return root
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    directory = tmp_path_factory.mktemp("logs")
+    yield directory
+    # No secret ever reaches a log, whatever the tests above did.
+    for log in directory.glob("*.log"):
+        text = log.read_text()
+        for secret in SECRETS:
+            assert secret not in text, f"{secret[:6]}... leaked into {log.name}"
+
+
+@pytest.fixture(scope="module")
+def tenants_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("conf") / "tenants.toml"
+    path.write_text(f"""
+admin_token_sha256 = "{token_digest(ADMIN)}"
+
+[[tenant]]
+name = "alice"
+token = "{ALICE}"
+datasets = ["alpha"]
+weight = 1
+
+[[tenant]]
+name = "bob"
+token_sha256 = "{token_digest(BOB)}"
+datasets = ["beta-*", "alpha"]
+weight = 3
+
+[[tenant]]
+name = "capped"
+token = "{CAPPED}"
+datasets = ["*"]
+max_connections = 1
+""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(store: Path, tenants_file: Path, logs: Path) -> Iterator[LiveServer]:
+    with LiveServer(
+        store, extra=["--tenants", str(tenants_file)], log_path=logs / "tenants.log"
+    ) as srv:
+        yield srv
+
+
+def dataset(srv: LiveServer, name: str, token: str | None, **kw: object) -> TokenFeedDataset:
+    args: dict[str, object] = {
+        "seq_len": 128,
+        "batch_size": 4,
+        "rank": 0,
+        "world_size": 1,
+        "token": token,
+        "request_timeout": 2.0,
+        "deadline": 15.0,
+    }
+    args.update(kw)
+    return TokenFeedDataset(srv.zmq, name, **args)  # type: ignore[arg-type]
+
+
+def test_tenant_reads_its_datasets_and_is_refused_others(server: LiveServer) -> None:
+    assert sum(1 for _ in dataset(server, "alpha", ALICE, samples=40)) == 10
+    with pytest.raises(DatasetForbidden, match="alice.*beta-1"):
+        next(iter(dataset(server, "beta-1", ALICE)))
+    assert sum(1 for _ in dataset(server, "beta-1", BOB, samples=8)) == 2
+
+
+@pytest.mark.parametrize("token", ["wrong-token-but-long-enough", None])
+def test_bad_or_missing_token_fails_fast(server: LiveServer, token: str | None) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(AuthenticationFailed, match="token"):
+        next(iter(dataset(server, "alpha", token, deadline=60.0)))
+    assert time.monotonic() - t0 < 5.0  # refused clients do not spin until the deadline
+
+
+def test_connection_cap_per_tenant(server: LiveServer) -> None:
+    job = JobSpec("alpha", 128, 4, 0, 1)
+    first = FeedClient(server.zmq, job, rank=0, worker=0, options=ClientOptions(token=CAPPED))
+    second = FeedClient(server.zmq, job, rank=0, worker=1, options=ClientOptions(token=CAPPED))
+    try:
+        first.hello()
+        with pytest.raises(ConnectionLimit, match="capped"):
+            second.hello()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_http_shows_a_tenant_only_its_own(server: LiveServer) -> None:
+    for _ in dataset(server, "alpha", ALICE, samples=8):
+        pass
+    for _ in dataset(server, "beta-1", BOB, samples=8):
+        pass
+    assert server.get("/v1/jobs").status_code == 401
+    assert server.get("/v1/jobs", headers=bearer("nope")).status_code == 401
+
+    def tenants_seen(token: str) -> set[str]:
+        deadline = time.monotonic() + 5
+        while True:  # the snapshot refreshes twice a second
+            seen = {j["tenant"] for j in server.get("/v1/jobs", headers=bearer(token)).json()}
+            if token != ADMIN or {"alice", "bob"} <= seen or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.1)
+
+    assert tenants_seen(ADMIN) >= {"alice", "bob"}
+    assert tenants_seen(ALICE) == {"alice"}
+    assert tenants_seen(BOB) == {"bob"}
+    names = {d["name"] for d in server.get("/v1/datasets", headers=bearer(ALICE)).json()}
+    assert names == {"alpha"}
+    assert server.get("/v1/datasets/beta-1", headers=bearer(ALICE)).status_code == 404
+    assert server.get("/v1/datasets/beta-1", headers=bearer(BOB)).status_code == 200
+    # open endpoints stay open; no response carries a secret
+    for path in ("/healthz", "/readyz", "/metrics", "/v1/limits", "/v1/status"):
+        response = server.get(path)
+        assert response.status_code == 200, path
+        assert not any(s in response.text for s in SECRETS)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_non_loopback_needs_a_token(store: Path, logs: Path) -> None:
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenfeed_server.cli",
+            "serve",
+            "--store",
+            str(store),
+            "--host",
+            "0.0.0.0",
+            "--zmq-port",
+            "0",
+            "--http-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2
+    assert "--token" in refused.stderr and "--insecure" in refused.stderr
+    # With a shared token it serves; an unauthenticated client (over loopback) is refused.
+    with LiveServer(
+        store, extra=["--host", "0.0.0.0", "--token", SHARED], log_path=logs / "shared.log"
+    ) as srv:
+        endpoint = f"tcp://127.0.0.1:{srv.zmq_port}"
+        anonymous = TokenFeedDataset(
+            endpoint, "alpha", seq_len=128, batch_size=4, rank=0, world_size=1, deadline=30.0
+        )
+        with pytest.raises(AuthenticationFailed):
+            next(iter(anonymous))
+        ok = TokenFeedDataset(
+            endpoint,
+            "alpha",
+            seq_len=128,
+            batch_size=4,
+            rank=0,
+            world_size=1,
+            token=SHARED,
+            samples=8,
+        )
+        assert sum(1 for _ in ok) == 2
+
+
+def test_insecure_flag_warns_loudly(store: Path, logs: Path) -> None:
+    log = logs / "insecure.log"
+    with LiveServer(store, extra=["--host", "0.0.0.0", "--insecure"], log_path=log) as srv:
+        assert srv.get_at("127.0.0.1", "/readyz").status_code == 200
+    assert "INSECURE" in log.read_text()
+
+
+def test_curve_encryption(store: Path, tenants_file: Path, logs: Path, tmp_path: Path) -> None:
+    keygen = subprocess.run(
+        [sys.executable, "-m", "tokenfeed_server.cli", "keygen", str(tmp_path / "keys")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "server.key.pub" in keygen.stdout
+    secret = tmp_path / "keys" / "server.key"
+    assert secret.stat().st_mode & 0o077 == 0  # private to the owner
+    public = (tmp_path / "keys" / "server.key.pub").read_text().strip()
+    with LiveServer(
+        store,
+        extra=["--tenants", str(tenants_file), "--curve-secret-key", str(secret)],
+        log_path=logs / "curve.log",
+    ) as srv:
+        ds = dataset(srv, "alpha", ALICE, samples=16, server_public_key=public)
+        assert sum(1 for _ in ds) == 4
+        with pytest.raises(AuthenticationFailed):
+            next(iter(dataset(srv, "alpha", "not-a-tenant-token-xyz", server_public_key=public)))
+        with pytest.raises(AuthenticationFailed):  # a PLAIN client cannot talk to CURVE
+            next(iter(dataset(srv, "alpha", ALICE)))
+
+
+def test_limits_are_enforced_and_reported(store: Path, logs: Path) -> None:
+    with LiveServer(
+        store,
+        extra=["--max-window", "2", "--max-batch-tokens", "10000"],
+        log_path=logs / "limits.log",
+    ) as srv:
+        limits = srv.get("/v1/limits").json()
+        assert limits["max_window"] == 2 and limits["max_batch_tokens"] == 10000
+        job = JobSpec("alpha", 128, 4, 0, 1)
+        with FeedClient(srv.zmq, job, rank=0, worker=0, options=ClientOptions(window=8)) as c:
+            assert c.hello().window == 2  # the window is negotiated down to the limit
+            for i in range(3):  # a client that ignores its credit gets an err, not data
+                c._send_get(i, Request(pos=i * 4, count=1))
+            replies = [
+                protocol.decode_header(c._sock.recv_multipart()[0])  # type: ignore[union-attr]
+                for _ in range(3)
+            ]
+            errs = [r for r in replies if isinstance(r, protocol.Err)]
+            assert len(errs) == 1 and "window=2" in errs[0].message
+        with pytest.raises(RequestRejected, match="max_batch_tokens"):
+            next(
+                iter(
+                    TokenFeedDataset(
+                        srv.zmq, "alpha", seq_len=128, batch_size=100, rank=0, world_size=1
+                    )
+                )
+            )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("other", "token", "expected"), [("bob", BOB, 3.0), ("capped", CAPPED, 1.0)]
+)
+def test_fair_share_follows_weights(
+    store: Path, tenants_file: Path, logs: Path, other: str, token: str, expected: float
+) -> None:
+    """Alice (weight 1, four connections) against one connection of Bob (weight 3) or of
+    Capped (weight 1) on a server capped at 8M tokens/s: shares follow weights, not
+    connection counts."""
+    with LiveServer(
+        store,
+        extra=["--tenants", str(tenants_file), "--max-tokens-per-s", "8000000"],
+        log_path=logs / "fair.log",
+    ) as srv:
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def pull(token: str, worker: int) -> None:
+            job = JobSpec("alpha", 1023, 8, 0, 1)
+            options = ClientOptions(token=token, window=8, deadline=30.0)
+            try:
+                with FeedClient(srv.zmq, job, rank=0, worker=worker, options=options) as c:
+                    count = c.hello().max_count
+                    requests = (Request(pos=i * count * 8, count=count) for i in itertools.count())
+                    for _ in c.stream(requests):
+                        if stop.is_set():
+                            return
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=pull, args=(ALICE, w)) for w in range(4)]
+        threads.append(threading.Thread(target=pull, args=(token, 0)))
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.0)  # let both jobs build a backlog
+            before = served_by_tenant(srv)
+            time.sleep(4.0)
+            after = served_by_tenant(srv)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+        assert not errors, errors
+        alice = after["alice"] - before["alice"]
+        them = after[other] - before[other]
+        assert alice > 0
+        print(f"fair share: {other}/alice = {them / alice:.3f} ({them} / {alice} tokens)")
+        assert expected * 0.8 <= them / alice <= expected * 1.2, (alice, them)
+
+
+def served_by_tenant(srv: LiveServer) -> dict[str, int]:
+    # The snapshot is refreshed every half second: wait for a fresh one.
+    first = srv.get("/v1/jobs", headers=bearer(ADMIN)).json()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        jobs = srv.get("/v1/jobs", headers=bearer(ADMIN)).json()
+        if jobs != first:
+            break
+        time.sleep(0.05)
+    out: dict[str, int] = collections.Counter()
+    for job in jobs:
+        out[job["tenant"]] += job["tokens_served"]
+    return out
+
+
+def test_bearer_errors_do_not_echo_tokens(server: LiveServer) -> None:
+    response = httpx.get(server.http + "/v1/jobs", headers=bearer(ALICE + "x"), timeout=10)
+    assert response.status_code == 401
+    assert ALICE not in response.text
