@@ -129,7 +129,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
+    # SIGTERM (a `kill`, a CI timeout) unwinds like Ctrl-C, so the server is always stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # during prepare: the child stops on the same Ctrl-C

@@ -185,9 +185,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     )
     losses: list[float] = []
     logged: list[float] = []
-    tokens = 0
+    tokens = total_tokens = 0
     started = tick = time.perf_counter()
-    rate = 0.0
     model.train()
     for batch in loader:  # endless: the stream runs through epochs until we stop
         if step >= args.steps:
@@ -207,6 +206,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         step += 1
         losses.append(loss.item())
         tokens += batch["input_ids"].numel()
+        total_tokens += batch["input_ids"].numel()
 
         if step % args.log_every == 0 or step == args.steps:
             now = time.perf_counter()
@@ -222,13 +222,13 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     summary = {
         "first_loss": logged[0] if logged else float("nan"),
         "last_loss": logged[-1] if logged else float("nan"),
-        "tokens_per_s": rate,
+        "tokens_per_s": total_tokens / elapsed,  # the whole run, start-up included
         "seconds": elapsed,
     }
     if logged:
         print(
             f"done: {step} steps in {elapsed:.1f}s, loss {summary['first_loss']:.3f} -> "
-            f"{summary['last_loss']:.3f}, {rate:,.0f} tokens/s",
+            f"{summary['last_loss']:.3f}, {summary['tokens_per_s']:,.0f} tokens/s",
             flush=True,
         )
     if args.checkpoint is not None:

@@ -166,6 +166,13 @@ def test_dockerfile_server_stage() -> None:
     [wheel] = by_name["build"].pip_commands()
     assert wheel[:2] == ["pip", "wheel"] and wheel[-2:] == ["./client", "./server"]
 
+    # .dockerignore sends only an allowlist to the builder: everything COPY needs is on it.
+    allowed = {line[1:] for line in (ROOT / ".dockerignore").read_text().split() if line[:1] == "!"}
+    for stage in stages:
+        for args in stage.all("COPY"):
+            if "--from=" not in args:
+                assert shlex.split(args)[0] in allowed, f"COPY {args}: not in .dockerignore"
+
     user = server.last("USER")
     assert user not in ("root", "0") and not user.startswith("0:")
     env = server.env()
