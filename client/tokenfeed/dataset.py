@@ -50,8 +50,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
         window: requests in flight per worker; chunk_bytes: about how much data one
             request asks for (several batches per message); request_timeout, deadline: see
             :class:`tokenfeed.client.FeedClient`.
-        batches_per_item: batches per DataLoader item (the loader splits them again);
-            more per item means less inter-process overhead per batch.
+        batches_per_item: batches per DataLoader item; more per item means less
+            inter-process overhead per batch. Items of several batches are packed raw
+            tokens: :class:`~tokenfeed.TokenFeedLoader` unpacks them (or call
+            :func:`unpack` in your own loop).
     """
 
     def __init__(
@@ -119,7 +121,49 @@ class TokenFeedDataset(IterableDataset[Batch]):
             yield item
 
     def iter_worker(self, worker: int, num_workers: int) -> Iterator[Batch]:
-        """The items of worker ``worker`` of ``num_workers``, from ``self.position`` on."""
+        """The items of worker ``worker`` of ``num_workers``, from ``self.position`` on.
+
+        With ``batches_per_item == 1`` an item is one batch. Otherwise it is a *packed*
+        item of ``n <= batches_per_item`` batches (see :func:`unpack`): the raw tokens
+        ``[n, batch_size, seq_len + 1]`` in the store's dtype plus ``window_ids`` and
+        ``epoch`` ``[n, batch_size]``. Raw tokens are 8x smaller than int64 inputs and
+        labels, so a DataLoader moves a fraction of the bytes between processes, and the
+        main process converts each batch in one cheap pass when it unpacks the item.
+        """
+        sizes: collections.deque[int] = collections.deque()
+        batch = self.job.batch_size
+        pending: list[tuple[Chunk, int, int]] = []
+        have = 0
+        for chunk in self._chunks(worker, num_workers, sizes):
+            at, count = 0, chunk.request.count
+            while at < count:  # cut the chunk's batches at item boundaries
+                take = min(count - at, sizes[0] - have)
+                pending.append((chunk, at, at + take))
+                have, at = have + take, at + take
+                if have == sizes[0]:
+                    sizes.popleft()
+                    if self.batches_per_item == 1:
+                        c, b, _ = pending[0]
+                        yield _batch(c, b, batch)
+                    else:
+                        yield _pack(pending, batch)
+                    pending, have = [], 0
+
+    def iter_chunks(self, worker: int, num_workers: int) -> Iterator[Chunk]:
+        """The raw received chunks of worker ``worker``; :func:`batches_of` converts one.
+
+        For a consumer in this process (``TokenFeedLoader`` with ``num_workers=0``): one
+        hand-over per chunk instead of one per batch keeps thread switches off the
+        per-batch path, and converting each batch only when it is taken keeps the memory
+        ahead of the consumer at raw-token size (1/4 of int64 inputs and labels). Items
+        do not matter here (nothing crosses a process boundary).
+        """
+        return self._chunks(worker, num_workers, None)
+
+    def _chunks(
+        self, worker: int, num_workers: int, sizes: collections.deque[int] | None
+    ) -> Iterator[Chunk]:
+        """Received chunks of this worker's steps; item sizes are appended to ``sizes``."""
         start = self.position
         with FeedClient(
             self.endpoint, self.job, rank=self.rank, worker=worker, options=self.options
@@ -127,25 +171,17 @@ class TokenFeedDataset(IterableDataset[Batch]):
             welcome = client.hello()
             self.n_windows = welcome.n_windows
             n_steps = self._steps_left(start, welcome.n_windows)
-            sizes: collections.deque[int] = collections.deque()
 
             def steps() -> Iterator[int]:
                 for item in worker_steps(worker, num_workers, n_steps, self.batches_per_item):
-                    sizes.append(len(item))
+                    if sizes is not None:
+                        sizes.append(len(item))
                     yield from item
 
             itemsize = DTYPES[welcome.dtype].itemsize
             batch_bytes = self.job.batch_size * (self.job.seq_len + 1) * itemsize
             per_chunk = max(1, min(welcome.max_count, self.options.chunk_bytes // batch_bytes))
-            requests = pack_requests(steps(), start, self.global_batch, per_chunk)
-            pending: list[Batch] = []
-            for chunk in client.stream(requests):
-                for batch in _split(chunk, self.job.batch_size):
-                    pending.append(batch)
-                    if len(pending) == sizes[0]:
-                        sizes.popleft()
-                        yield pending[0] if self.batches_per_item == 1 else _stack(pending)
-                        pending = []
+            yield from client.stream(pack_requests(steps(), start, self.global_batch, per_chunk))
 
     def _steps_left(self, start: int, n_windows: int) -> int | None:
         if self.epochs is not None:
@@ -190,25 +226,57 @@ def _distributed_defaults() -> tuple[int, int]:
         raise ConfigError(f"RANK/WORLD_SIZE must be integers: {exc}") from None
 
 
-def _split(chunk: Chunk, batch_size: int) -> Iterator[Batch]:
+def _batch(chunk: Chunk, b: int, batch_size: int) -> Batch:
     # The model wants contiguous int64 ids: convert straight from the received buffer, one
-    # pass each for inputs and labels, and no other copy of the tokens.
-    window_ids = chunk.window_ids.copy()  # the received buffer is read-only
-    epochs = chunk.epochs.copy()
-    for b in range(chunk.request.count):
-        rows = slice(b * batch_size, (b + 1) * batch_size)
-        block = chunk.tokens[rows]
-        yield {
-            "input_ids": torch.from_numpy(block[:, :-1].astype(np.int64)),
-            "labels": torch.from_numpy(block[:, 1:].astype(np.int64)),
-            "window_ids": torch.from_numpy(window_ids[rows]),
-            "epoch": torch.from_numpy(epochs[rows]),
+    # pass each for inputs and labels, and no other copy of the tokens. (The received
+    # buffer is read-only, hence the copies of the small id arrays.)
+    rows = slice(b * batch_size, (b + 1) * batch_size)
+    block = chunk.tokens[rows]
+    return {
+        "input_ids": torch.from_numpy(block[:, :-1].astype(np.int64)),
+        "labels": torch.from_numpy(block[:, 1:].astype(np.int64)),
+        "window_ids": torch.from_numpy(chunk.window_ids[rows].copy()),
+        "epoch": torch.from_numpy(chunk.epochs[rows].copy()),
+    }
+
+
+def batches_of(chunk: Chunk, batch_size: int) -> Iterator[Batch]:
+    """The batches of one received chunk, converted one at a time as they are taken."""
+    return (_batch(chunk, b, batch_size) for b in range(chunk.request.count))
+
+
+def _pack(pieces: list[tuple[Chunk, int, int]], batch_size: int) -> Batch:
+    # One copy of the raw rows into a fresh (writable, shareable) array per item.
+    def rows(field: str) -> np.ndarray:
+        parts = [getattr(c, field)[lo * batch_size : hi * batch_size] for c, lo, hi in pieces]
+        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+
+    tokens = rows("tokens")
+    n = len(tokens) // batch_size
+    return {
+        "tokens": torch.from_numpy(tokens.reshape(n, batch_size, -1)),
+        "window_ids": torch.from_numpy(rows("window_ids").reshape(n, batch_size)),
+        "epoch": torch.from_numpy(rows("epochs").reshape(n, batch_size)),
+    }
+
+
+def unpack(item: Batch) -> list[Batch]:
+    """The batches of one packed item (``batches_per_item > 1``), as the model wants them.
+
+    ``TokenFeedLoader`` calls this for you; call it yourself only if you put a
+    ``TokenFeedDataset`` with ``batches_per_item > 1`` into your own DataLoader.
+    """
+    tokens = item["tokens"].numpy()
+    return [
+        {
+            "input_ids": torch.from_numpy(tokens[i, :, :-1].astype(np.int64)),
+            "labels": torch.from_numpy(tokens[i, :, 1:].astype(np.int64)),
+            "window_ids": item["window_ids"][i],
+            "epoch": item["epoch"][i],
         }
-
-
-def _stack(batches: list[Batch]) -> Batch:
-    return {key: torch.stack([b[key] for b in batches]) for key in batches[0]}
+        for i in range(tokens.shape[0])
+    ]
 
 
 def _batches_in(item: Batch, batches_per_item: int) -> int:
-    return 1 if batches_per_item == 1 else int(item["input_ids"].shape[0])
+    return 1 if batches_per_item == 1 else int(item["tokens"].shape[0])

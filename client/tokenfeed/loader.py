@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from tokenfeed.dataset import Batch, TokenFeedDataset
+from tokenfeed.client import Chunk
+from tokenfeed.dataset import Batch, TokenFeedDataset, batches_of, unpack
 from tokenfeed.device import stage
 
 
@@ -32,7 +33,8 @@ class TokenFeedLoader:
         pin_memory: pin batches for fast GPU copies. Default: when CUDA is available.
             Asking for it without CUDA warns once and carries on unpinned.
         device: move batches there (CUDA: asynchronous, on a side stream).
-        prefetch: items buffered ahead per worker (or in the background thread).
+        prefetch: items buffered ahead per worker (with ``num_workers=0``: one received
+            chunk, several batches, waits ready; the request window reads further ahead).
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``.
     """
 
@@ -72,23 +74,27 @@ class TokenFeedLoader:
 
     def _batches(self) -> Iterator[Batch]:
         if self.num_workers == 0:
-            items: Iterator[Batch] = _Background(
-                self.dataset.iter_worker(0, 1), self.prefetch, self.pin_memory
+            return _Background(
+                self.dataset.iter_chunks(0, 1),
+                self.dataset.job.batch_size,
+                self.prefetch,
+                self.pin_memory,
             )
-        else:
-            items = iter(
-                DataLoader(
-                    self.dataset,
-                    batch_size=None,
-                    num_workers=self.num_workers,
-                    pin_memory=self.pin_memory,
-                    prefetch_factor=self.prefetch,
-                    multiprocessing_context=self.multiprocessing_context,
-                )
+        packed = self.dataset.batches_per_item > 1
+        items = iter(
+            DataLoader(
+                self.dataset,
+                batch_size=None,
+                num_workers=self.num_workers,
+                # packed items hold raw tokens: pin the int64 batches made from them instead
+                pin_memory=self.pin_memory and not packed,
+                prefetch_factor=self.prefetch,
+                multiprocessing_context=self.multiprocessing_context,
             )
-        if self.dataset.batches_per_item == 1:
+        )
+        if not packed:
             return items
-        return _unstack(items)
+        return _unpacked(items, self.pin_memory)
 
     def state_dict(self) -> dict[str, Any]:
         """The resume state: consumed stream position plus the plan inputs it belongs to."""
@@ -100,30 +106,49 @@ class TokenFeedLoader:
         self.position = self.dataset.position
 
 
-def _unstack(items: Iterator[Batch]) -> Iterator[Batch]:
+def _unpacked(items: Iterator[Batch], pin: bool) -> Iterator[Batch]:
     for item in items:
-        for i in range(item["input_ids"].shape[0]):
-            yield {key: value[i] for key, value in item.items()}
+        for batch in unpack(item):
+            yield {k: v.pin_memory() for k, v in batch.items()} if pin else batch
 
 
 class _Background(Iterator[Batch]):
-    """Runs an iterator in a daemon thread, ``depth`` items ahead of the consumer."""
+    """Receives chunks in a daemon thread, at least one chunk ahead of the consumer.
+
+    The threads meet once per chunk (tens of batches), not once per batch: each meeting
+    costs a lock hand-off and, when the consumer was asleep, a wait for the GIL. Batches
+    are converted to int64 as the consumer takes them (a few microseconds each), so what
+    waits in the queue is raw tokens; with ``pin`` the thread converts and pins ahead.
+    """
 
     _END = object()
 
-    def __init__(self, source: Iterator[Batch], depth: int, pin: bool) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+    def __init__(self, source: Iterator[Chunk], batch_size: int, depth: int, pin: bool) -> None:
+        # A slot holds a whole chunk (tens of batches): one ready chunk plus the one being
+        # consumed is ``depth`` batches or more; the client's request window reads ahead
+        # further, at raw size, so more slots would only hold memory.
+        del depth
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
+        self._batch_size = batch_size
+        self._ready: Iterator[Batch] = iter(())
         self._thread = threading.Thread(
             target=self._run, args=(source, pin), name="tokenfeed-receive", daemon=True
         )
         self._thread.start()
 
-    def _run(self, source: Iterator[Batch], pin: bool) -> None:
+    def _run(self, source: Iterator[Chunk], pin: bool) -> None:
         try:
-            for item in source:
-                ready = {k: v.pin_memory() for k, v in item.items()} if pin else item
-                if not self._put(ready):
+            for chunk in source:
+                batches: Any = (
+                    [
+                        {k: v.pin_memory() for k, v in b.items()}
+                        for b in batches_of(chunk, self._batch_size)
+                    ]
+                    if pin
+                    else chunk
+                )
+                if not self._put(batches):
                     return
             self._put(self._END)
         except BaseException as exc:  # handed to the consumer, raised there
@@ -143,13 +168,19 @@ class _Background(Iterator[Batch]):
         return False
 
     def __next__(self) -> Batch:
-        item = self._queue.get()
-        if item is self._END:
-            self._queue.put(item)  # stay exhausted
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item  # type: ignore[no-any-return]
+        while True:
+            batch = next(self._ready, None)
+            if batch is not None:
+                return batch
+            item = self._queue.get()
+            if item is self._END:
+                self._queue.put(item)  # stay exhausted
+                raise StopIteration
+            if isinstance(item, BaseException):
+                raise item
+            self._ready = (
+                iter(item) if isinstance(item, list) else batches_of(item, self._batch_size)
+            )
 
     def __del__(self) -> None:
         self._stop.set()
