@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ def schemathesis(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or "st"
     return subprocess.run(
         [st, "run", url, "--max-examples", "25", "--checks", CHECKS, "--seed", "1", *extra],
+        cwd=tempfile.gettempdir(),  # schemathesis writes a .schemathesis/ folder there
         capture_output=True,
         check=False,
         text=True,

@@ -58,6 +58,7 @@ class Job:
     plan: Plan
     tenant: str
     weight: float = 1.0
+    max_count: int = 1
     queue: collections.deque[tuple[bytes, protocol.Get]] = field(default_factory=collections.deque)
     deficit: float = 0.0
     in_turn: bool = False
@@ -270,7 +271,12 @@ class DataPlane:
                 seed=msg.seed,
             )
             weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
-            job = Job(jid, spec, ds, plan, tenant, weight=weight)
+            # batches per chunk: about chunk_bytes, never over max_chunk_bytes, at least 1
+            batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
+            chunk = min(self.config.chunk_bytes, limits.max_chunk_bytes)
+            job = Job(
+                jid, spec, ds, plan, tenant, weight=weight, max_count=max(1, chunk // batch_bytes)
+            )
             self.jobs[jid] = job
             self._rotation.append(jid)
             log.info("job %s: %s (tenant %s)", jid, spec, tenant)
@@ -281,8 +287,6 @@ class DataPlane:
         peer = old or Peer(jid, msg.rank, msg.worker, tenant, window)
         peer.window, peer.last_seen = window, time.monotonic()
         self.peers[ident] = peer
-        batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
-        max_count = max(1, min(self.config.chunk_bytes, limits.max_chunk_bytes) // batch_bytes)
         welcome = protocol.Welcome(
             server=self.instance,
             job=jid,
@@ -291,7 +295,7 @@ class DataPlane:
             n_windows=job.plan.n_windows,
             dtype=ds.manifest.dtype,
             window=window,
-            max_count=max_count,
+            max_count=job.max_count,
         )
         self._send(sock, ident, [welcome.header()])
 
@@ -330,13 +334,8 @@ class DataPlane:
         peer.last_seen = time.monotonic()
         if not 0 <= msg.rank < job.spec.world_size:
             raise ProtocolError(f"rank {msg.rank} outside [0, {job.spec.world_size})")
-        max_count = max(
-            1,
-            min(self.config.chunk_bytes, self.config.limits.max_chunk_bytes)
-            // (job.spec.batch_size * (job.spec.seq_len + 1) * job.dataset.dtype.itemsize),
-        )
-        if not 1 <= msg.count <= max_count:
-            raise ProtocolError(f"count {msg.count} is outside [1, max_count={max_count}]")
+        if not 1 <= msg.count <= job.max_count:
+            raise ProtocolError(f"count {msg.count} is outside [1, max_count={job.max_count}]")
         if msg.stride < 1 or msg.pos < 0:
             raise ProtocolError("pos must be >= 0 and stride >= 1")
         if peer.queued >= peer.window:
