@@ -53,7 +53,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
         batches_per_item: batches per DataLoader item; more per item means less
             inter-process overhead per batch. Items of several batches are packed raw
             tokens: :class:`~tokenfeed.TokenFeedLoader` unpacks them (or call
-            :func:`unpack` in your own loop).
+            :func:`unpack` in your own loop). Default: one batch per item, except that
+            ``TokenFeedLoader`` with worker processes packs about 1 MiB (at most 16).
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         chunk_bytes: int = 1 << 20,
         request_timeout: float = 10.0,
         deadline: float = 120.0,
-        batches_per_item: int = 1,
+        batches_per_item: int | None = None,
     ) -> None:
         super().__init__()
         default_rank, default_world = _distributed_defaults()
@@ -84,13 +85,15 @@ class TokenFeedDataset(IterableDataset[Batch]):
             raise ConfigError(f"rank {self.rank} is outside [0, world_size={self.world_size})")
         if epochs is not None and samples is not None:
             raise ConfigError("give epochs or samples, not both")
-        if batches_per_item < 1:
+        if batches_per_item is not None and batches_per_item < 1:
             raise ConfigError("batches_per_item must be >= 1")
         self.endpoint = endpoint
         self.job = JobSpec(dataset, seq_len, batch_size, seed, self.world_size)
         self.epochs = epochs
         self.samples = samples
-        self.batches_per_item = batches_per_item
+        self.batches_per_item = batches_per_item or 1
+        #: True when the caller left batches_per_item to the loader
+        self.auto_batches_per_item = batches_per_item is None
         self.options = ClientOptions(
             window=window,
             chunk_bytes=chunk_bytes,

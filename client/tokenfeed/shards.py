@@ -34,6 +34,7 @@ import ctypes
 import errno
 import hashlib
 import json
+import mmap
 import os
 import re
 import secrets
@@ -289,6 +290,11 @@ class Dataset:
             path = self.path / shard.name
             _check_shard_file(path, shard, self.manifest.dtype)
             raw = np.memmap(path, dtype=np.uint8, mode="r")
+            # Windows are read at random: readahead and fault-around would map (and
+            # count in the server's PSS) whole neighbourhoods of pages nobody asked for.
+            handle = getattr(raw, "_mmap", None)  # the mmap.mmap numpy keeps behind it
+            if handle is not None and hasattr(mmap, "MADV_RANDOM"):
+                handle.madvise(mmap.MADV_RANDOM)
             tok_end = HEADER_SIZE + shard.tokens * itemsize
             idx_start = HEADER_SIZE + _padded(shard.tokens * itemsize)
             self._raw.append(raw)
