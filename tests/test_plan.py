@@ -291,10 +291,32 @@ def test_workers_reconstruct_local_steps_in_order(
         assert all(len(it) == k for it in items[:-1])
         if items:
             assert 1 <= len(items[-1]) <= k
+    assert_workers_disjoint(num_workers, n_steps, k, ramp=False)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 16])
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("n_steps", [0, 1, 2, 5, 7, 40, 41, None])
+def test_ramped_items_keep_the_order(k: int, num_workers: int, n_steps: int | None) -> None:
+    n_workers = max(1, num_workers)
+    streams = [worker_steps(w, num_workers, n_steps, k, ramp=True) for w in range(n_workers)]
+    items = dataloader_round_robin(streams, 60)
+    flat = [s for item in items for s in item]
+    assert flat == (list(range(len(flat))) if n_steps is None else list(range(n_steps)))
+    if items:
+        assert len(items[0]) == 1  # the first batch needs only one batch received
+    sizes = [len(it) for it in items[: len(items) - (n_steps is not None)]]
+    expected = [min(k, 2 ** (g // n_workers)) for g in range(len(sizes))]
+    assert sizes == expected
+    assert_workers_disjoint(num_workers, n_steps, k, ramp=True)
+
+
+def assert_workers_disjoint(num_workers: int, n_steps: int | None, k: int, *, ramp: bool) -> None:
     # workers are disjoint: each step comes from exactly one worker
+    n_workers = max(1, num_workers)
     owners: dict[int, int] = {}
     for w in range(n_workers):
-        for item in itertools.islice(worker_steps(w, num_workers, n_steps, k), 20):
+        for item in itertools.islice(worker_steps(w, num_workers, n_steps, k, ramp=ramp), 20):
             for s in item:
                 assert s not in owners
                 owners[s] = w

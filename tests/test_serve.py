@@ -218,9 +218,16 @@ def test_restart_mid_epoch_changes_nothing(store: Path, tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     srv = LiveServer(store, log_path=log).start()
     ports = ["--zmq-port", str(srv.zmq_port), "--http-port", str(srv.http_port)]
-    # one batch per request and two in flight: the kill lands with most of the epoch unsent
+    # one batch per request and per item, two in flight: the kill lands with most of the
+    # epoch unsent
     ds = make(
-        srv, samples=steps * BATCH, request_timeout=0.5, deadline=30.0, window=2, chunk_bytes=1
+        srv,
+        samples=steps * BATCH,
+        request_timeout=0.5,
+        deadline=30.0,
+        window=2,
+        chunk_bytes=1,
+        batches_per_item=1,
     )
     got: list[int] = []
     try:

@@ -176,7 +176,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
             n_steps = self._steps_left(start, welcome.n_windows)
 
             def steps() -> Iterator[int]:
-                for item in worker_steps(worker, num_workers, n_steps, self.batches_per_item):
+                # ramp: the first item is one batch, so the first batch is not held back
+                # until a whole packed item has arrived
+                k = self.batches_per_item
+                for item in worker_steps(worker, num_workers, n_steps, k, ramp=k > 1):
                     if sizes is not None:
                         sizes.append(len(item))
                     yield from item

@@ -379,7 +379,12 @@ def steps_to_cover(start: int, end: int, global_batch: int) -> int:
 
 
 def worker_steps(
-    worker: int, num_workers: int, n_steps: int | None, batches_per_item: int = 1
+    worker: int,
+    num_workers: int,
+    n_steps: int | None,
+    batches_per_item: int = 1,
+    *,
+    ramp: bool = False,
 ) -> Iterator[list[int]]:
     """The local steps DataLoader worker ``worker`` of ``num_workers`` produces, item by item.
 
@@ -388,6 +393,11 @@ def worker_steps(
     the loader's round-robin over workers yields local steps ``0, 1, 2, ...`` in order.
     ``num_workers=0`` means the main process produces everything; ``n_steps=None`` is
     endless.
+
+    With ``ramp``, round ``r`` of items (each worker's ``r``-th) carries ``min(k, 2**r)``
+    steps instead of ``k``: the first item of every worker is a single batch, so the
+    first batch reaches the trainer as soon as one batch is received, and items grow to
+    ``k`` within a few rounds. The order is the same; only the item boundaries move.
     """
     num_workers = _check_int("num_workers", num_workers, 0, INT64_MAX)
     n_workers = max(1, num_workers)
@@ -400,13 +410,18 @@ def worker_steps(
     if n_steps is not None:
         n_steps = _check_int("n_steps", n_steps, 0, INT64_MAX)
     k = _check_int("batches_per_item", batches_per_item, 1, INT64_MAX)
-    return _worker_steps(worker, n_workers, n_steps, k)
+    return _worker_steps(worker, n_workers, n_steps, k, 1 if ramp else k)
 
 
-def _worker_steps(w: int, n_workers: int, n_steps: int | None, k: int) -> Iterator[list[int]]:
-    g = w
-    while n_steps is None or g * k < n_steps:
-        first = g * k
-        last = first + k if n_steps is None else min(first + k, n_steps)
+def _worker_steps(
+    w: int, n_workers: int, n_steps: int | None, k: int, size: int
+) -> Iterator[list[int]]:
+    round_start = 0  # first step of the current round of items (one item per worker)
+    while True:
+        first = round_start + w * size
+        if n_steps is not None and first >= n_steps:
+            return
+        last = first + size if n_steps is None else min(first + size, n_steps)
         yield list(range(first, last))
-        g += n_workers
+        round_start += n_workers * size
+        size = min(k, 2 * size)
