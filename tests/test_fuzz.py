@@ -207,7 +207,9 @@ def test_server_survives_hostile_clients(server: LiveServer, store: Path, tmp_pa
 
     assert server.proc is not None and server.proc.poll() is None
     assert server.get("/readyz").status_code == 200
-    assert answers.get("err", 0) > 1000  # bad input got answers, not silence or a crash
+    # bad input got answers, not silence or a crash (a client that does not read its
+    # replies loses those past the send high-water mark, so count on the server too)
+    assert answers.get("err", 0) > 100
     counters = server.get("/v1/status").json()["counters"]
     assert counters.get("err_bad_request", 0) > 1000
     assert "Traceback" not in (tmp_path / "server.log").read_text()  # no internal error

@@ -115,7 +115,10 @@ class FeedClient:
         self._sock: zmq.Socket[bytes] | None = None
         self._payload: list[Any] = []
         self._monitor: zmq.Socket[bytes] | None = None
-        self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}"
+        self._poller = zmq.Poller()
+        # Unique per client object and kept across reconnects: the server replaces the
+        # connection it knew under this name instead of counting a new one.
+        self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}:{id(self):x}"
 
     # -- connection ------------------------------------------------------------------
 
@@ -141,12 +144,20 @@ class FeedClient:
         self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
         sock.connect(self.endpoint)
         self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         return sock
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, *, bye: bool = False) -> None:
         if self._sock is not None:
             self._sock.disable_monitor()
-            self._sock.close(linger=0)
+            linger = 0
+            if bye and self.welcome is not None:
+                # Frees our connection slot on the server now rather than at its timeout.
+                self._sock.send(protocol.Bye().header(), zmq.NOBLOCK)
+                linger = 200
+            self._sock.close(linger=linger)
             self._sock = None
         if self._monitor is not None:
             self._monitor.close(linger=0)
@@ -169,8 +180,11 @@ class FeedClient:
                 )
 
     def close(self) -> None:
-        """Close the socket and the context; the client can not be used afterwards."""
-        self._close_socket()
+        """Say bye, close the socket and the context; the client can not be used afterwards."""
+        try:
+            self._close_socket(bye=True)
+        except zmq.ZMQError:
+            self._close_socket()
         self._ctx.term()
 
     def __enter__(self) -> FeedClient:
@@ -226,13 +240,9 @@ class FeedClient:
 
     def _recv(self, sock: zmq.Socket[bytes], timeout: float) -> protocol.Message | None:
         """One message, or None after ``timeout`` seconds; chunk payloads ride along."""
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
         end = time.monotonic() + timeout
         while True:
-            ready = dict(poller.poll(max(0, int((end - time.monotonic()) * 1000))))
+            ready = dict(self._poller.poll(max(0, int((end - time.monotonic()) * 1000))))
             self._check_handshake()
             if sock in ready:
                 break

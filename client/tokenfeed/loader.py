@@ -10,8 +10,10 @@ it pins and copies batches ahead on a side stream (:mod:`tokenfeed.device`).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -71,13 +73,17 @@ class TokenFeedLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         self.dataset.position = self.position
-        batches = self._batches()
-        if self.device is not None:
-            batches = stage(batches, self.device)
+        source = self._batches()
+        batches = stage(source, self.device) if self.device is not None else source
         step = self.dataset.global_batch
-        for batch in batches:
-            self.position += step
-            yield batch
+        try:
+            for batch in batches:
+                self.position += step
+                yield batch
+        finally:
+            # A loop left early (break, exception) must not leave a receiver running.
+            if isinstance(source, _Background):
+                source.close()
 
     def _batches(self) -> Iterator[Batch]:
         if self.num_workers == 0:
@@ -125,8 +131,6 @@ class _Background(Iterator[Batch]):
     waits in the queue is raw tokens; with ``pin`` the thread converts and pins ahead.
     """
 
-    _END = object()
-
     def __init__(self, source: Iterator[Chunk], batch_size: int, pin: bool) -> None:
         # One slot holds a whole chunk (tens of batches): one ready chunk plus the one being
         # consumed; the client's request window reads further ahead, at raw size, so more
@@ -135,55 +139,80 @@ class _Background(Iterator[Batch]):
         self._stop = threading.Event()
         self._batch_size = batch_size
         self._ready: Iterator[Batch] = iter(())
+        self._done: BaseException | None = None
+        # The thread gets the queue and the event, not self: otherwise it would keep this
+        # object alive and a forgotten iterator could never be collected and stopped.
         self._thread = threading.Thread(
-            target=self._run, args=(source, pin), name="tokenfeed-receive", daemon=True
+            target=_receive,
+            args=(source, batch_size, pin, self._queue, self._stop),
+            name="tokenfeed-receive",
+            daemon=True,
         )
         self._thread.start()
-
-    def _run(self, source: Iterator[Chunk], pin: bool) -> None:
-        try:
-            for chunk in source:
-                batches: Any = (
-                    [
-                        {k: v.pin_memory() for k, v in b.items()}
-                        for b in batches_of(chunk, self._batch_size)
-                    ]
-                    if pin
-                    else chunk
-                )
-                if not self._put(batches):
-                    return
-            self._put(self._END)
-        except BaseException as exc:  # handed to the consumer, raised there
-            self._put(exc)
-        finally:
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def __next__(self) -> Batch:
         while True:
             batch = next(self._ready, None)
             if batch is not None:
                 return batch
+            if self._done is not None:
+                raise self._done
             item = self._queue.get()
-            if item is self._END:
-                self._queue.put(item)  # stay exhausted
-                raise StopIteration
-            if isinstance(item, BaseException):
+            if item is _END:
+                self._done = StopIteration()
+            elif isinstance(item, BaseException):
+                self._done = StopIteration()  # raise it once, then stay exhausted
                 raise item
-            self._ready = (
-                iter(item) if isinstance(item, list) else batches_of(item, self._batch_size)
-            )
+            else:
+                self._ready = (
+                    iter(item) if isinstance(item, list) else batches_of(item, self._batch_size)
+                )
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the receiver and wait (briefly) until it has closed its connection."""
+        self._stop.set()
+        self._done = StopIteration()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):  # free a receiver blocked on a full queue
+                self._queue.get(timeout=0.05)
 
     def __del__(self) -> None:
         self._stop.set()
+
+
+_END = object()
+
+
+def _receive(
+    source: Iterator[Chunk],
+    batch_size: int,
+    pin: bool,
+    out: queue.Queue[Any],
+    stop: threading.Event,
+) -> None:
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for chunk in source:
+            batches: Any = (
+                [{k: v.pin_memory() for k, v in b.items()} for b in batches_of(chunk, batch_size)]
+                if pin
+                else chunk
+            )
+            if not put(batches):
+                return
+        put(_END)
+    except BaseException as exc:  # handed to the consumer, raised there
+        put(exc)
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()

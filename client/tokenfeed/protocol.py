@@ -16,6 +16,7 @@ chunk      s -> c     answer to one ``get``: header, tokens ``[rows, seq_len + 1
                       provenance ``int64 [2, rows]`` (window ids, epochs)
 err        s -> c     a code from :data:`ERROR_CODES`, a message, whether to retry
 ping/pong  both       application-level liveness
+bye        c -> s     this connection is done: the server forgets it at once
 =========  =========  ==============================================================
 
 A ``get`` names everything it wants, so the server keeps no cursor: any server
@@ -170,8 +171,15 @@ class Pong(Message):
     TYPE: ClassVar[str] = "pong"
 
 
+@dataclass(frozen=True)
+class Bye(Message):
+    """The client is closing this connection; no answer."""
+
+    TYPE: ClassVar[str] = "bye"
+
+
 _TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, Welcome, Get, Chunk, Err, Ping, Pong)
+    cls.TYPE: cls for cls in (Hello, Welcome, Get, Chunk, Err, Ping, Pong, Bye)
 }
 _FIELDS: dict[type[Message], tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES.values()

@@ -94,9 +94,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/readyz")
     def readyz(response: Response) -> dict[str, Any]:
         """Ready: 200 once the store is open and the data socket is bound, else 503."""
-        if not state.ready:
+        if not (state.ready and state.dataplane.alive):
             response.status_code = 503
-            return {"status": "starting"}
+            return {"status": "not ready"}
         return {"status": "ready", "zmq": state.dataplane.endpoint}
 
     @app.get("/v1/datasets")

@@ -43,6 +43,7 @@ import zmq
 
 from tokenfeed.client import curve_keypair_from_token
 from tokenfeed.errors import ConfigError, DatasetForbidden, ServerError
+from tokenfeed_server.logbudget import LogBudget
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -201,6 +202,7 @@ class ZapHandler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenfeed-zap", daemon=True)
         self.refused = 0
+        self._log_budget = LogBudget()
 
     def start(self) -> None:
         """Start answering (before any socket that uses ZAP binds)."""
@@ -235,10 +237,11 @@ class ZapHandler:
         if tenant is None:
             self.refused += 1
             # the address only: the presented credentials never reach the log
-            log.warning(
-                "refused a %s connection from %s: unknown token",
-                mechanism.decode(errors="replace"),
-                address.decode(errors="replace"),
-            )
+            if self._log_budget.take():
+                log.warning(
+                    "refused a %s connection from %s: unknown token",
+                    mechanism.decode(errors="replace"),
+                    address.decode(errors="replace"),
+                )
             return [b"1.0", request_id, b"400", b"unknown token", b"", b""]
         return [b"1.0", request_id, b"200", b"OK", tenant.name.encode(), b""]

@@ -35,6 +35,8 @@ class Limits:
     #: connections attached at once, in total and per tenant
     max_connections: int = 4096
     max_connections_per_tenant: int = 1024
+    #: jobs known at once; idle ones are forgotten first to make room
+    max_jobs: int = 256
 
     def as_dict(self) -> dict[str, int]:
         """The limits as a plain mapping (for /v1/limits and the start-up log)."""
@@ -89,6 +91,7 @@ class ServerConfig:
             "http_port": self.http_port,
             "chunk_bytes": self.chunk_bytes,
             "peer_timeout_s": self.peer_timeout_s,
+            "job_ttl_s": self.job_ttl_s,
             "limits": self.limits.as_dict(),
             "auth": self.auth_mode(),
             "curve": self.curve_secret_key_file is not None,
@@ -124,6 +127,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="hash every shard at start-up (slow on big stores)",
     )
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--peer-timeout-s", type=float, help="forget a silent connection after this long [60]"
+    )
+    parser.add_argument(
+        "--job-ttl-s", type=float, help="forget a job with no connection after this long [600]"
+    )
     parser.add_argument(
         "--tenants",
         type=Path,
@@ -188,6 +197,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Se
         http_port=pick("http_port", defaults.http_port, int),
         limits=limits,
         chunk_bytes=pick("chunk_bytes", defaults.chunk_bytes, int),
+        peer_timeout_s=pick("peer_timeout_s", defaults.peer_timeout_s, float),
+        job_ttl_s=pick("job_ttl_s", defaults.job_ttl_s, float),
         verify_checksums=bool(pick("verify_checksums", False, _flag)),
         log_level=pick("log_level", defaults.log_level),
         tenants_file=pick("tenants_file", None, Path),

@@ -39,11 +39,14 @@ from tokenfeed.protocol import JobSpec
 from tokenfeed.shards import Dataset
 from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
+from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store import Store, assemble
 
 log = logging.getLogger(__name__)
 
 _DRAIN_MAX = 512  # messages read per turn before serving, so reads cannot starve sends
+_MAX_ROWS_PER_CHUNK = 8192  # rows are gathered one by one: bound the work of one request
+_MAX_WORKER = 1 << 16
 _SNAPSHOT_EVERY_S = 0.5
 _RATE_WINDOW_S = 10.0
 
@@ -77,6 +80,7 @@ class Job:
 class Peer:
     """One client connection (one DataLoader worker) attached to a job."""
 
+    name: str
     job: str
     rank: int
     worker: int
@@ -118,11 +122,13 @@ class DataPlane:
         self.endpoint = ""
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, Peer] = {}
+        self._by_name: dict[str, bytes] = {}  # client name -> its current connection
+        self._queued = 0  # requests waiting in all job queues
         self._rotation: collections.deque[str] = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()
         self.snapshot: dict[str, Any] = {"jobs": [], "connections": 0, "counters": {}}
         self._last_snapshot = 0.0
-        self._log_budget = _LogBudget()
+        self._log_budget = LogBudget()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -134,6 +140,11 @@ class DataPlane:
         if self._startup_error is not None:
             raise self._startup_error
         return self.endpoint
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop thread runs (readiness depends on it)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask the loop to finish and wait for it."""
@@ -147,7 +158,7 @@ class DataPlane:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.limits.max_message_bytes)
         # Credit windows bound what is queued per peer; the HWM is only a backstop.
-        sock.setsockopt(zmq.SNDHWM, 4 * self.config.limits.max_window + 8)
+        sock.setsockopt(zmq.SNDHWM, self.config.limits.max_window + 4)
         sock.setsockopt(zmq.RCVHWM, 4096)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
@@ -181,8 +192,7 @@ class DataPlane:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                busy = any(job.queue for job in self.jobs.values())
-                wait = self._bucket.wait_ms() if busy else 100
+                wait = self._bucket.wait_ms() if self._queued else 100
                 if poller.poll(wait):
                     self._drain(sock)
                 self._serve_round(sock)
@@ -211,7 +221,8 @@ class DataPlane:
             except ServerError as exc:
                 self._reject(sock, ident, exc.code, str(exc), retry=exc.retry)
             except Exception:  # a bug must cost one request, never the server
-                log.exception("internal error handling a request from %s", ident.hex())
+                if self._log_budget.take():
+                    log.exception("internal error handling a request from %s", ident.hex()[:16])
                 self._reject(sock, ident, "internal", "internal server error; see server log")
 
     def _handle(
@@ -226,6 +237,8 @@ class DataPlane:
             self._on_hello(sock, ident, tenant, msg)
         elif isinstance(msg, protocol.Ping):
             self._send(sock, ident, [protocol.Pong().header()])
+        elif isinstance(msg, protocol.Bye):
+            self._forget_peer(ident)
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r} messages")
 
@@ -249,16 +262,16 @@ class DataPlane:
             )
         if not 0 <= msg.rank < msg.world_size:
             raise ProtocolError(f"rank {msg.rank} is outside [0, world_size={msg.world_size})")
+        if not 0 <= msg.worker < _MAX_WORKER:
+            raise ProtocolError(f"worker {msg.worker} is outside [0, {_MAX_WORKER})")
+        # A client that reconnected (new socket, same name) replaces its old connection
+        # instead of holding two slots until the old one times out.
+        previous = self._by_name.get(msg.client)
+        if previous is not None and previous != ident:
+            self._forget_peer(previous)
         if ident not in self.peers:
             self._check_connection_caps(tenant)
-        try:
-            ds = self.store.get(msg.dataset)
-        except DatasetNotFound as exc:
-            raise ServerError.from_code("unknown_dataset", str(exc)) from None
-        except StoreError as exc:
-            raise ServerError.from_code(
-                "unknown_dataset", f"dataset {msg.dataset!r} cannot be served: {exc}"
-            ) from None
+        ds = self._dataset(tenant, msg.dataset)
         spec = JobSpec(msg.dataset, msg.seq_len, msg.batch_size, msg.seed, msg.world_size)
         jid = job_id(spec, ds.fingerprint, tenant)
         job = self.jobs.get(jid)
@@ -273,20 +286,28 @@ class DataPlane:
             weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
             # batches per chunk: about chunk_bytes, never over max_chunk_bytes, at least 1
             batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
+            if batch_bytes > limits.max_chunk_bytes:
+                raise ServerError.from_code(
+                    "bad_request",
+                    f"one batch is {batch_bytes} bytes, over max_chunk_bytes="
+                    f"{limits.max_chunk_bytes}; lower batch_size or seq_len",
+                )
             chunk = min(self.config.chunk_bytes, limits.max_chunk_bytes)
-            job = Job(
-                jid, spec, ds, plan, tenant, weight=weight, max_count=max(1, chunk // batch_bytes)
-            )
+            max_count = min(chunk // batch_bytes, _MAX_ROWS_PER_CHUNK // msg.batch_size)
+            self._make_room_for_a_job()
+            job = Job(jid, spec, ds, plan, tenant, weight=weight, max_count=max(1, max_count))
             self.jobs[jid] = job
             self._rotation.append(jid)
-            log.info("job %s: %s (tenant %s)", jid, spec, tenant)
+            if self._log_budget.take():
+                log.info("job %s: %s (tenant %s)", jid, spec, tenant)
         old = self.peers.get(ident)
         if old is not None and old.job != jid:
             self._forget_peer(ident)
             old = None
-        peer = old or Peer(jid, msg.rank, msg.worker, tenant, window)
+        peer = old or Peer(msg.client, jid, msg.rank, msg.worker, tenant, window)
         peer.window, peer.last_seen = window, time.monotonic()
         self.peers[ident] = peer
+        self._by_name[msg.client] = ident
         welcome = protocol.Welcome(
             server=self.instance,
             job=jid,
@@ -298,6 +319,49 @@ class DataPlane:
             max_count=job.max_count,
         )
         self._send(sock, ident, [welcome.header()])
+
+    def _dataset(self, tenant: str, name: str) -> Dataset:
+        try:
+            return self.store.get(name)
+        except DatasetNotFound:
+            # Name only what this tenant may read, and never the store's path.
+            names = [
+                n
+                for n in self.store.names()
+                if self.tenants is None or self.tenants.authorize(tenant, n) is None
+            ]
+            raise ServerError.from_code(
+                "unknown_dataset",
+                f"no dataset {name!r} on this server; available: {', '.join(names) or 'none'}",
+            ) from None
+        except StoreError as exc:
+            if self._log_budget.take():
+                log.error("dataset %s cannot be served: %s", name, exc)
+            raise ServerError.from_code(
+                "unknown_dataset",
+                f"dataset {name!r} is damaged on the server and cannot be served; "
+                "the operator should check the server log and rebuild it",
+            ) from None
+
+    def _make_room_for_a_job(self) -> None:
+        cap = self.config.limits.max_jobs
+        if len(self.jobs) < cap:
+            return
+        # Forget the longest-idle jobs that no connection is attached to.
+        attached = {p.job for p in self.peers.values()}
+        idle = sorted(
+            (j for j in self.jobs.values() if j.id not in attached and not j.queue),
+            key=lambda j: j.last_active,
+        )
+        for job in idle[: len(self.jobs) - cap + 1]:
+            del self.jobs[job.id]
+            self._rotation.remove(job.id)
+        if len(self.jobs) >= cap:
+            raise ServerError.from_code(
+                "connection_limit",
+                f"the server runs max_jobs={cap} active jobs; try again later or ask the "
+                "operator to raise the limit",
+            )
 
     def _check_connection_caps(self, tenant: str) -> None:
         limits = self.config.limits
@@ -348,6 +412,7 @@ class DataPlane:
         if last + job.plan.global_batch >= 1 << 62:
             raise ProtocolError("stream position would overflow int64")
         peer.queued += 1
+        self._queued += 1
         job.requests += 1
         job.last_active = time.monotonic()
         key = (msg.rank, peer.worker)
@@ -371,12 +436,14 @@ class DataPlane:
                     if not self._bucket.ready():
                         return  # the same job resumes its turn when tokens refill
                     ident, req = job.queue.popleft()
+                    self._queued -= 1
                     sent = self._serve(sock, job, ident, req)
                     job.deficit -= sent
                     self._bucket.spend(sent // job.dataset.dtype.itemsize)
                 job.in_turn = False
             elif job is not None:
                 job.deficit = 0.0  # idle jobs bank no credit (deficit round robin)
+                job.in_turn = False
             self._rotation.rotate(-1)
 
     def _serve(self, sock: zmq.Socket[bytes], job: Job, ident: bytes, req: protocol.Get) -> int:
@@ -389,7 +456,8 @@ class DataPlane:
                 job.dataset, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
             )
         except Exception:  # e.g. a shard file truncated under a running server
-            log.exception("cannot assemble %s for job %s", req, job.id)
+            if self._log_budget.take():
+                log.exception("cannot assemble %s for job %s", req, job.id)
             err = protocol.Err(
                 code="internal",
                 message="the server could not read the dataset; the operator should check its log",
@@ -432,9 +500,13 @@ class DataPlane:
         peer = self.peers.pop(ident, None)
         if peer is None:
             return
+        if self._by_name.get(peer.name) == ident:
+            del self._by_name[peer.name]
         job = self.jobs.get(peer.job)
         if job is not None and peer.queued:
-            job.queue = collections.deque((i, r) for i, r in job.queue if i != ident)
+            kept = collections.deque((i, r) for i, r in job.queue if i != ident)
+            self._queued -= len(job.queue) - len(kept)
+            job.queue = kept
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -531,19 +603,3 @@ class _TokenBucket:
         if not self.rate or self.ready():
             return 0
         return max(1, int(-self.level / self.rate * 1000) + 1)
-
-
-class _LogBudget:
-    """At most ``per_s`` warnings a second: a fuzzing client must not flood the log."""
-
-    def __init__(self, per_s: int = 20) -> None:
-        self.per_s = per_s
-        self._second = 0
-        self._used = 0
-
-    def take(self) -> bool:
-        second = int(time.monotonic())
-        if second != self._second:
-            self._second, self._used = second, 0
-        self._used += 1
-        return self._used <= self.per_s

@@ -1,0 +1,134 @@
+"""Connections come and go without leaking server slots, jobs, threads or sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from live_server import LiveServer
+from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
+from tokenfeed.client import ClientOptions, FeedClient
+from tokenfeed.errors import UnknownDataset
+from tokenfeed.protocol import JobSpec
+from tokenfeed.shards import TokenizerInfo, write_dataset
+
+pytestmark = pytest.mark.network
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    root = tmp_path_factory.mktemp("store")
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 256, size=2000, dtype=np.uint16) for _ in range(200)]
+    write_dataset(
+        root,
+        "alpha",
+        docs,
+        shuffle_seed=0,
+        tokenizer=TokenizerInfo(kind="byte", vocab_size=257, eos_id=256),
+    )
+    extra = ["--max-connections-per-tenant", "1", "--max-jobs", "8"]
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    with LiveServer(root, extra=extra, log_path=log) as srv:
+        yield srv
+
+
+def connections(server: LiveServer, want: int) -> int:
+    deadline = time.monotonic() + 5
+    while True:  # the status snapshot refreshes twice a second
+        seen = int(server.get("/v1/status").json()["connections"])
+        if seen == want or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.05)
+
+
+def test_reconnect_and_close_free_the_slot(server: LiveServer) -> None:
+    job = JobSpec("alpha", 64, 4, 0, 1)
+    with FeedClient(server.zmq, job, rank=0, worker=0) as first:
+        first.hello()
+        first.hello()  # a Lazy Pirate reconnect: new socket, same client, one slot
+        assert connections(server, 1) == 1
+    assert connections(server, 0) == 0  # bye freed it at once, not after a timeout
+    with FeedClient(server.zmq, job, rank=0, worker=0) as second:
+        second.hello()
+
+
+def test_breaking_out_of_the_loader_stops_its_receiver(server: LiveServer) -> None:
+    for _ in range(3):  # with a cap of one connection, a leak fails the second round
+        loader = TokenFeedLoader(
+            TokenFeedDataset(
+                server.zmq, "alpha", seq_len=64, batch_size=4, rank=0, world_size=1, deadline=10.0
+            ),
+            num_workers=0,
+            pin_memory=False,
+        )
+        for i, _batch in enumerate(loader):
+            if i == 2:
+                break
+    assert connections(server, 0) == 0
+    deadline = time.monotonic() + 5
+    while any(t.name == "tokenfeed-receive" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "receiver thread still running"
+        time.sleep(0.05)
+
+
+def test_an_error_is_raised_once_then_the_loader_is_exhausted(server: LiveServer) -> None:
+    loader = TokenFeedLoader(
+        TokenFeedDataset(server.zmq, "missing", seq_len=64, batch_size=4, rank=0, world_size=1),
+        num_workers=0,
+        pin_memory=False,
+    )
+    it = iter(loader)
+    with pytest.raises(UnknownDataset, match="alpha"):  # names what is there
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_hello_storm_cannot_grow_the_job_table(server: LiveServer) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.zmq)
+    try:
+        for seed in range(40):  # every seed is a new job; one connection holds one at a time
+            sock.send(
+                msgpack.packb(
+                    {
+                        "v": 1,
+                        "t": "hello",
+                        "dataset": "alpha",
+                        "seq_len": 64,
+                        "batch_size": 4,
+                        "seed": seed,
+                        "world_size": 1,
+                        "rank": 0,
+                        "worker": 0,
+                        "window": 2,
+                        "client": "storm",
+                    }
+                )
+            )
+            assert sock.poll(5000)
+            assert isinstance(protocol.decode_header(sock.recv()), protocol.Welcome)
+        sock.send(protocol.Bye().header())  # frees the one connection slot
+    finally:
+        sock.close(linger=2000)  # bye is one-way: let it leave before the context ends
+        ctx.term()
+    deadline = time.monotonic() + 5
+    while len(server.get("/v1/jobs").json()) > 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert server.get("/v1/limits").json()["max_jobs"] == 8
+    # and the server still serves a normal client
+    options = ClientOptions(deadline=10.0)
+    with FeedClient(
+        server.zmq, JobSpec("alpha", 64, 4, 1, 1), rank=0, worker=0, options=options
+    ) as client:
+        assert client.hello().n_windows > 0
