@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+from tokenfeed_server.launch import ServerProcess
+
 HERE = Path(__file__).resolve().parent
 SEQ_LEN, BATCH, VOCAB, EOS = 2048, 8, 50257, 50256
 
@@ -89,29 +91,18 @@ def make_store(root: Path, n_tokens: int, seed: int = 0) -> Path:
 # -- processes and sampling ------------------------------------------------------------
 
 
-class Server:
-    """A ``tokenfeed-server serve`` process, awaited on its ready line."""
+class Server(ServerProcess):
+    """A ``tokenfeed-server serve`` process (awaited on its ready line) and its CPU time."""
 
     def __init__(self, store: Path, log: Path) -> None:
-        cmd = [sys.executable, "-m", "tokenfeed_server.cli", "serve", "--store", str(store)]
-        cmd += ["--host", "127.0.0.1", "--zmq-port", "0", "--http-port", "0"]
-        with open(log, "a") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the server prints it once the sockets are bound
-        if not line:
-            raise SystemExit(f"server did not start; see {log}")
-        event = json.loads(line)
-        self.zmq = event["zmq"]
+        super().__init__(store, log_path=log)
+        self.start()
+        assert self.proc is not None
         self.ps = psutil.Process(self.proc.pid)
 
     def cpu(self) -> float:
         t = self.ps.cpu_times()
         return t.user + t.system
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def tree_pss(procs: list[psutil.Process]) -> int:

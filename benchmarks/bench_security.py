@@ -12,8 +12,6 @@ figure is the wire's, not the DataLoader's.
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +24,7 @@ import numpy as np
 from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.protocol import JobSpec
 from tokenfeed.shards import TokenizerInfo, write_dataset
+from tokenfeed_server.launch import ServerProcess
 
 TOKEN = "bench-token-0123456789abcdef"
 
@@ -40,28 +39,6 @@ def make_store(root: Path, tokens: int) -> None:
         shuffle_seed=0,
         tokenizer=TokenizerInfo(kind="synthetic", vocab_size=50_257, eos_id=50_256),
     )
-
-
-def start_server(store: Path, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "tokenfeed_server.cli",
-        "serve",
-        "--store",
-        str(store),
-        "--zmq-port",
-        "0",
-        "--http-port",
-        "0",
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"server did not start: {cmd}")
-    return proc, json.loads(line)["zmq"]
 
 
 def pull(endpoint: str, options: ClientOptions, batches: int) -> float:
@@ -102,16 +79,17 @@ def main() -> None:
                 ClientOptions(token=TOKEN, server_public_key=public),
             ),
         }
-        servers = {name: start_server(store, extra) for name, (extra, _) in modes.items()}
+        servers = {
+            name: ServerProcess(store, extra=extra).start() for name, (extra, _) in modes.items()
+        }
         results: dict[str, list[float]] = {name: [] for name in modes}
         try:
             for _ in range(rounds):  # alternate, so drift hits every mode alike
                 for name, (_, options) in modes.items():
-                    results[name].append(pull(servers[name][1], options, batches))
+                    results[name].append(pull(servers[name].zmq, options, batches))
         finally:
-            for proc, _ in servers.values():
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+            for server in servers.values():
+                server.stop()
     base = statistics.median(results["open"])
     print(f"{'mode':<12} {'Mtok/s median':>14} {'min-max':>16} {'vs open':>8}")
     for name, values in results.items():

@@ -15,9 +15,6 @@ It starts a server on a synthetic store, then for ``num_workers`` 0 and 2:
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +25,7 @@ import torch
 
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed.shards import TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.launch import ServerProcess
 
 SEQ, BATCH, STEPS = 2048, 8, 200
 
@@ -48,24 +46,8 @@ def main() -> int:
             shuffle_seed=0,
             tokenizer=TokenizerInfo(kind="synthetic", vocab_size=50_257, eos_id=50_256),
         )
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenfeed_server.cli",
-                "serve",
-                "--store",
-                str(store),
-                "--zmq-port",
-                "0",
-                "--http-port",
-                "0",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert server.stdout is not None
-        endpoint = json.loads(server.stdout.readline())["zmq"]
+        server = ServerProcess(store).start()
+        endpoint = server.zmq
         reference = open_dataset(store, "gpu")
         weight = torch.randn(4096, 4096, device="cuda")
         try:
@@ -111,8 +93,7 @@ def main() -> int:
                     f"compute alone {compute:.2f}s, overhead {staged / compute - 1:+.1%}"
                 )
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(30)
+            server.stop()
             reference.close()
     for failure in failures:
         print("FAIL:", failure)

@@ -16,8 +16,6 @@ Flags it does not know go to ``train_gpt.py``. Ctrl-C stops training and the ser
 from __future__ import annotations
 
 import argparse
-import json
-import selectors
 import signal
 import subprocess
 import sys
@@ -27,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import train_gpt  # the script next to this one (its directory is on sys.path)
+from tokenfeed_server.launch import ServerProcess
 
 DATASET = "demo"
 
@@ -47,59 +46,6 @@ def prepare_if_missing(store: Path, tokenizer: str) -> None:
         raise SystemExit("[demo] prepare failed (see above)")
 
 
-class Server:
-    """``tokenfeed-server serve`` as a child process, stopped by SIGTERM."""
-
-    def __init__(self, store: Path, log_path: Path) -> None:
-        self.log_path = log_path
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [
-                    *server_cmd("serve", "--store", str(store), "--host", "127.0.0.1"),
-                    *("--zmq-port", "0", "--http-port", "0"),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                # Own session: Ctrl-C reaches only us, and we stop the server with SIGTERM,
-                # its clean-shutdown signal, instead of it dying mid-reply.
-                start_new_session=True,
-            )
-        self.zmq, self.http = self._wait_ready(timeout=60.0)
-
-    def _wait_ready(self, timeout: float) -> tuple[str, str]:
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.2):
-                line = self.proc.stdout.readline()
-                if line:
-                    event = json.loads(line)
-                    if event.get("event") == "ready":
-                        return str(event["zmq"]), str(event["http"])
-            if self.proc.poll() is not None:
-                break
-        self.stop()
-        raise SystemExit(f"[demo] the server did not get ready; its log:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", type=Path, default=Path("demo-store"), help="[./demo-store]")
@@ -111,7 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare_if_missing(args.store, args.tokenizer)
 
     with tempfile.TemporaryDirectory(prefix="tokenfeed-demo-") as tmp:
-        server = Server(args.store, Path(tmp) / "server.log")
+        # Its own session: Ctrl-C reaches only us, and we stop the server with SIGTERM,
+        # its clean-shutdown signal, instead of it dying mid-reply.
+        server = ServerProcess(args.store, log_path=Path(tmp) / "server.log", new_session=True)
+        try:
+            server.start()
+        except (RuntimeError, TimeoutError) as exc:
+            raise SystemExit(f"[demo] the server did not get ready: {exc}") from None
         print(f"[demo] server ready: data {server.zmq}, HTTP {server.http}/v1/jobs", flush=True)
         status = 0
         try:

@@ -15,13 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import selectors
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import venv
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +27,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from tokenfeed_server.launch import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
@@ -225,47 +224,14 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-class Serve:
-    """A ``serve`` process whose ready line is awaited (never a sleep) and SIGTERM-stopped."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        with open(log, "w") as f:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=f, text=True, env=env)
-        self.log = log
-        assert self.proc.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if sel.select(timeout=0.2):
-                line = self.proc.stdout.readline()
-                if not line:  # stdout closed: the server is exiting
-                    self.proc.wait(timeout=20)
-                    break
-                event = json.loads(line)
-                assert event["event"] == "ready"
-                self.zmq: str = event["zmq"]
-                self.http_port = int(event["http"].rsplit(":", 1)[1])
-                return
-        self.stop()
-        raise AssertionError(f"server not ready; log:\n{log.read_text()[-3000:]}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
+def serve(command: list[str], env: dict[str, str], log: Path) -> ServerProcess:
+    """A ``serve`` process from its exact command line, awaited on its ready line."""
+    return ServerProcess(command=command, env=env, log_path=log).start()
 
 
 @pytest.fixture
-def stopping() -> Iterator[list[Serve]]:
-    servers: list[Serve] = []
+def stopping() -> Iterator[list[ServerProcess]]:
+    servers: list[ServerProcess] = []
     yield servers
     for s in servers:
         s.stop()
@@ -295,7 +261,7 @@ def in_image(path: str, base: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_dockerfile_install_runs_the_server_without_torch(
-    tmp_path: Path, stopping: list[Serve]
+    tmp_path: Path, stopping: list[ServerProcess]
 ) -> None:
     stages = stages_by_name()
     # COPY client/ server/ into a clean source tree, as the image build does.
@@ -348,7 +314,7 @@ def test_the_dockerfile_install_runs_the_server_without_torch(
         "TOKENFEED_ZMQ_PORT": "0",
         "TOKENFEED_HTTP_PORT": "0",
     }
-    server = Serve(
+    server = serve(
         [cli, *json.loads(stages["server"].last("CMD"))[1:]], serve_env, tmp_path / "serve.log"
     )
     stopping.append(server)
@@ -376,7 +342,9 @@ def compose_argv(command: list[str], steps: str | None = None) -> list[str]:
 @pytest.mark.network
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_compose_services_run_as_processes_in_order(tmp_path: Path, stopping: list[Serve]) -> None:
+def test_compose_services_run_as_processes_in_order(
+    tmp_path: Path, stopping: list[ServerProcess]
+) -> None:
     spec = compose()["services"]
     image_env = stages_by_name()["server"].env()
     base = clean_env(PATH=f"{VENV_BIN}:{os.environ['PATH']}")
@@ -401,7 +369,7 @@ def test_compose_services_run_as_processes_in_order(tmp_path: Path, stopping: li
         "TOKENFEED_HTTP_PORT": "0",
     }
     cmd = json.loads(stages_by_name()["server"].last("CMD"))
-    server = Serve(cmd, server_env, tmp_path / "serve.log")
+    server = serve(cmd, server_env, tmp_path / "serve.log")
     stopping.append(server)
 
     # The service's healthcheck, with the port the server bound: exits 0 once ready.

@@ -349,7 +349,8 @@ def test_http_endpoints(server: LiveServer) -> None:
 
 
 def server_store(server: LiveServer) -> Path:
-    return Path(server.cmd[server.cmd.index("--store") + 1])
+    assert server.store is not None
+    return server.store
 
 
 def test_sigterm_exits_zero(store: Path) -> None:
