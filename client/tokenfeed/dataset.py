@@ -197,7 +197,13 @@ class TokenFeedDataset(IterableDataset[Batch]):
         return None
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """The resume state: the consumed stream position and the plan inputs it is for."""
+        """The resume state: the consumed stream position and the plan inputs it is for.
+
+        The position advances when the dataset is iterated in this process. Under your
+        own DataLoader with worker processes it cannot see what was consumed: use
+        :class:`~tokenfeed.TokenFeedLoader`, whose ``state_dict()`` counts batches as
+        they reach the training loop.
+        """
         return {
             "position": self.position if position is None else position,
             "dataset": self.job.dataset,
