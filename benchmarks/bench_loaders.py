@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -202,11 +204,12 @@ def peers_available() -> dict[str, str | None]:
 
 def prepare_peer(system: str, store: Path) -> Path:
     """Convert the store's shard into the peer's own format (cached beside the store)."""
-    from systems import shard_region
+    from systems import litdata_chunk, shard_region
 
     out = store / f"{system}-format"
-    if out.exists():
+    if (out / "index.json").exists():  # both formats finish by writing their index
         return out
+    shutil.rmtree(out, ignore_errors=True)  # a conversion that died half-way
     path, n = shard_region(str(store), "bench")
     tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=64, shape=(n,))
     rows = (n - 1) // SEQ_LEN
@@ -220,18 +223,13 @@ def prepare_peer(system: str, store: Path) -> Path:
         from litdata import optimize
         from litdata.streaming.item_loader import TokensLoader
 
-        def chunks(i: int) -> Any:
-            import torch
-
-            lo = i * (1 << 24)
-            yield torch.from_numpy(np.array(tokens[lo : min(n, lo + (1 << 24))]).astype(np.int32))
-
         optimize(
-            fn=chunks,
+            fn=functools.partial(litdata_chunk, path=str(path), n=n),
             inputs=list(range((n + (1 << 24) - 1) >> 24)),
             output_dir=str(out),
             chunk_size=(SEQ_LEN + 1) * 1024,
             item_loader=TokensLoader(),
+            num_workers=1,
         )
     return out
 

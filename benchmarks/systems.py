@@ -30,6 +30,15 @@ def shard_region(store: str, dataset: str) -> tuple[Path, int]:
     return Path(store) / dataset / shards[0]["name"], int(shards[0]["tokens"])
 
 
+def litdata_chunk(i: int, path: str, n: int) -> Iterator[Any]:
+    """litdata ``optimize`` input ``i``: the i-th 16M-token slice of the shard (picklable)."""
+    import torch
+
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=64, shape=(n,))
+    lo = i * (1 << 24)
+    yield torch.from_numpy(np.array(tokens[lo : min(n, lo + (1 << 24))]).astype(np.int32))
+
+
 def _windows_dataset(tokens_fn: Any, n_tokens: int, seq_len: int) -> Any:
     from torch.utils.data import Dataset
 
@@ -122,7 +131,12 @@ def _streaming(spec: dict[str, Any]) -> Iterable[Any]:
     from streaming import StreamingDataset  # type: ignore[import-not-found]
     from torch.utils.data import DataLoader
 
-    ds = StreamingDataset(local=spec["peer_dir"], shuffle=True, shuffle_seed=spec["seed"])
+    ds = StreamingDataset(
+        local=spec["peer_dir"],
+        shuffle=True,
+        shuffle_seed=spec["seed"],
+        batch_size=spec["batch_size"],
+    )
     loader = DataLoader(ds, batch_size=spec["batch_size"], num_workers=spec["num_workers"])
     return _xy(({"t": b["tokens"]} for b in loader), spec["batches"])
 
