@@ -71,8 +71,11 @@ class Store:
         signature = (st.st_ino, st.st_mtime_ns)
         with self._lock:
             entry = self._entries.get(name)
-            if entry is None or entry.signature != signature:
-                entry = self._open(name, signature)
+        if entry is None or entry.signature != signature:
+            # Opened outside the lock: validating (or hashing) a big dataset must not block
+            # look-ups of the others. Two threads opening at once both succeed; one wins.
+            entry = self._open(name, signature)
+            with self._lock:
                 self._entries[name] = entry
         if entry.error is not None:
             raise entry.error
