@@ -96,7 +96,9 @@ def expected_windows(
     return [int(w) for t in range(steps) for w in plan.rank_batches(rank, start + t * G)[0].ravel()]
 
 
-@pytest.mark.parametrize(("workers", "context"), [(0, None), (2, "fork"), (2, "spawn")])
+@pytest.mark.parametrize(
+    ("workers", "context"), [(0, None), (2, "fork"), (2, "spawn"), (2, "forkserver")]
+)
 def test_two_ranks_two_epochs_every_window_once(
     server: LiveServer, store: Path, workers: int, context: str | None
 ) -> None:
