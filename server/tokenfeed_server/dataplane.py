@@ -122,7 +122,8 @@ class DataPlane:
         self.endpoint = ""
         self.jobs: dict[str, Job] = {}
         self.peers: dict[bytes, Peer] = {}
-        self._by_name: dict[str, bytes] = {}  # client name -> its current connection
+        # (tenant, client name) -> that client's current connection
+        self._by_name: dict[tuple[str, str], bytes] = {}
         self._queued = 0  # requests waiting in all job queues
         self._rotation: collections.deque[str] = collections.deque()
         self.counters: collections.Counter[str] = collections.Counter()
@@ -266,7 +267,7 @@ class DataPlane:
             raise ProtocolError(f"worker {msg.worker} is outside [0, {_MAX_WORKER})")
         # A client that reconnected (new socket, same name) replaces its old connection
         # instead of holding two slots until the old one times out.
-        previous = self._by_name.get(msg.client)
+        previous = self._by_name.get((tenant, msg.client))  # never another tenant's
         if previous is not None and previous != ident:
             self._forget_peer(previous)
         if ident not in self.peers:
@@ -307,7 +308,7 @@ class DataPlane:
         peer = old or Peer(msg.client, jid, msg.rank, msg.worker, tenant, window)
         peer.window, peer.last_seen = window, time.monotonic()
         self.peers[ident] = peer
-        self._by_name[msg.client] = ident
+        self._by_name[(tenant, msg.client)] = ident
         welcome = protocol.Welcome(
             server=self.instance,
             job=jid,
@@ -500,8 +501,8 @@ class DataPlane:
         peer = self.peers.pop(ident, None)
         if peer is None:
             return
-        if self._by_name.get(peer.name) == ident:
-            del self._by_name[peer.name]
+        if self._by_name.get((peer.tenant, peer.name)) == ident:
+            del self._by_name[(peer.tenant, peer.name)]
         job = self.jobs.get(peer.job)
         if job is not None and peer.queued:
             kept = collections.deque((i, r) for i, r in job.queue if i != ident)
