@@ -251,6 +251,40 @@ def test_restart_mid_epoch_changes_nothing(store: Path, tmp_path: Path) -> None:
     assert served >= steps - 40  # the restarted server really served the rest
 
 
+def test_restart_with_smaller_limits_changes_nothing(store: Path, tmp_path: Path) -> None:
+    """The operator restarts the server with a smaller chunk size and window: requests
+    already made are cut to the new limits and the stream carries on exactly."""
+    steps = 120
+    reference = expected_windows(store, "alpha", rank=0, world=1, steps=steps)
+    log = tmp_path / "server.log"
+    srv = LiveServer(store, log_path=log).start()
+    batch_bytes = BATCH * (SEQ + 1) * 2
+    ds = make(
+        srv,
+        samples=steps * BATCH,
+        request_timeout=0.5,
+        deadline=30.0,
+        window=4,
+        chunk_bytes=10 * batch_bytes,
+    )
+    got: list[int] = []
+    try:
+        for i, batch in enumerate(TokenFeedLoader(ds, num_workers=0, pin_memory=False)):
+            got += batch["window_ids"].tolist()
+            if i == 5:
+                ports = {"zmq_port": srv.zmq_port, "http_port": srv.http_port}
+                srv.kill()
+                srv = LiveServer(
+                    store,
+                    log_path=log,
+                    **ports,
+                    extra=["--chunk-bytes", str(3 * batch_bytes), "--max-window", "2"],
+                ).start()
+    finally:
+        srv.stop()
+    assert got == reference
+
+
 def test_unknown_dataset_is_a_clear_error(server: LiveServer) -> None:
     with pytest.raises(UnknownDataset, match="nope"):
         next(iter(make(server, "nope")))

@@ -262,31 +262,44 @@ class FeedClient:
     # -- data ------------------------------------------------------------------------
 
     def stream(self, requests: Iterable[Request]) -> Iterator[Chunk]:
-        """Chunks for ``requests``, in order, with at most ``window`` in flight."""
+        """Chunks for ``requests``, in order, with at most ``window`` in flight.
+
+        After a reconnect the server may have other limits (an operator restarted it with
+        new settings): the window is taken from the new ``welcome`` and requests larger
+        than its ``max_count`` are split, so the stream carries on unchanged.
+        """
         if self.welcome is None or self._sock is None:
             self.hello()
-        assert self.welcome is not None
-        window = min(self.options.window, self.welcome.window)
-        todo = iter(requests)
+        todo = (piece for req in requests for piece in self._split(req))  # lazily: current limit
         ids = iter(range(1 << 62))
-        inflight: collections.OrderedDict[int, Request] = collections.OrderedDict()
+        pending: collections.OrderedDict[int, Request] = collections.OrderedDict()
+        sent: set[int] = set()  # asked on the current socket, not yet answered
         done: dict[int, Chunk] = {}
         exhausted = False
         last_progress = time.monotonic()
         while True:
-            while not exhausted and len(inflight) < window:
-                req = next(todo, None)
-                if req is None:
+            assert self.welcome is not None
+            window = min(self.options.window, self.welcome.window)
+            for rid, req in pending.items():  # re-ask what a reconnect left unanswered
+                if len(sent) >= window:
+                    break
+                if rid not in sent and rid not in done:
+                    self._send_get(rid, req)
+                    sent.add(rid)
+            while not exhausted and len(sent) < window:
+                new = next(todo, None)
+                if new is None:
                     exhausted = True
                     break
                 rid = next(ids)
-                inflight[rid] = req
-                self._send_get(rid, req)
-            if not inflight:
+                pending[rid] = new
+                self._send_get(rid, new)
+                sent.add(rid)
+            if not pending:
                 return
-            head = next(iter(inflight))
+            head = next(iter(pending))
             if head in done:
-                inflight.pop(head)
+                pending.pop(head)
                 yield done.pop(head)
                 last_progress = time.monotonic()
                 continue
@@ -294,8 +307,9 @@ class FeedClient:
             assert sock is not None
             msg = self._recv(sock, self.options.request_timeout)
             if isinstance(msg, protocol.Chunk):
-                if msg.req in inflight and msg.req not in done:
-                    done[msg.req] = self._chunk(inflight[msg.req], msg)
+                if msg.req in sent:
+                    sent.discard(msg.req)
+                    done[msg.req] = self._chunk(pending[msg.req], msg)
                 continue  # a stale answer (already received) is dropped: no duplicates
             if isinstance(msg, protocol.Err) and not msg.retry and msg.code != "unknown_job":
                 raise self._error(msg)
@@ -316,9 +330,36 @@ class FeedClient:
             else:
                 time.sleep(0.05)
             self.hello(deadline_at=last_progress + self.options.deadline)
-            for rid, req in inflight.items():
-                if rid not in done:
-                    self._send_get(rid, req)
+            sent.clear()
+            pending = self._fit(pending, done, ids)
+
+    def _fit(
+        self,
+        pending: collections.OrderedDict[int, Request],
+        done: dict[int, Chunk],
+        ids: Iterator[int],
+    ) -> collections.OrderedDict[int, Request]:
+        """``pending`` with every unanswered request cut to the server's ``max_count``."""
+        fitted: collections.OrderedDict[int, Request] = collections.OrderedDict()
+        for rid, req in pending.items():
+            pieces = [req] if rid in done else self._split(req)
+            if len(pieces) == 1:
+                fitted[rid] = req
+            else:
+                fitted.update((next(ids), piece) for piece in pieces)
+        return fitted
+
+    def _split(self, req: Request) -> list[Request]:
+        """``req`` as requests of at most the server's ``max_count`` batches each."""
+        assert self.welcome is not None
+        limit = self.welcome.max_count
+        if req.count <= limit:
+            return [req]
+        step = req.stride * self.job.batch_size * self.job.world_size
+        return [
+            Request(req.pos + first * step, min(limit, req.count - first), req.stride)
+            for first in range(0, req.count, limit)
+        ]
 
     def _send_get(self, rid: int, req: Request) -> None:
         assert self._sock is not None and self.welcome is not None
