@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tokenfeed.client import Chunk, ClientOptions, FeedClient, pack_requests
+from tokenfeed.documents import document_fields
 from tokenfeed.errors import ConfigError
 from tokenfeed.plan import steps_to_cover, worker_steps
 from tokenfeed.protocol import DTYPES, JobSpec
@@ -55,6 +56,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
             tokens: :class:`~tokenfeed.TokenFeedLoader` unpacks them (or call
             :func:`unpack` in your own loop). Default: one batch per item, except that
             ``TokenFeedLoader`` with worker processes packs about 1 MiB (at most 16).
+        document_boundaries: also give each batch ``position_ids`` (int64
+            ``[batch_size, seq_len]``, restarting at every document) and ``cu_seqlens``
+            (int32, cumulative document lengths over the flattened batch), so attention
+            can stay inside documents in packed rows.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         request_timeout: float = 10.0,
         deadline: float = 120.0,
         batches_per_item: int | None = None,
+        document_boundaries: bool = False,
     ) -> None:
         super().__init__()
         default_rank, default_world = _distributed_defaults()
@@ -105,11 +111,23 @@ class TokenFeedDataset(IterableDataset[Batch]):
         #: stream position (global samples consumed) that the next ``iter()`` starts at
         self.position = 0
         self.n_windows: int | None = None
+        self.document_boundaries = document_boundaries
+        #: the dataset's EOS id, known once connected
+        self.eos_id: int | None = None
 
     @property
     def global_batch(self) -> int:
         """Samples per global step: ``world_size * batch_size``."""
         return self.job.world_size * self.job.batch_size
+
+    @property
+    def boundary_eos(self) -> int | None:
+        """The EOS id to cut documents at, or None when boundaries were not asked for."""
+        return self.eos_id if self.document_boundaries else None
+
+    def convert(self, chunk: Chunk) -> Iterator[Batch]:
+        """The batches of a chunk from :meth:`iter_chunks`, converted as they are taken."""
+        return batches_of(chunk, self.job.batch_size, self.boundary_eos)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -147,9 +165,9 @@ class TokenFeedDataset(IterableDataset[Batch]):
                     sizes.popleft()
                     if self.batches_per_item == 1:
                         c, b, _ = pending[0]
-                        yield _batch(c, b, batch)
+                        yield _batch(c, b, batch, self.boundary_eos)
                     else:
-                        yield _pack(pending, batch)
+                        yield _pack(pending, batch, self.boundary_eos)
                     pending, have = [], 0
 
     def iter_chunks(self, worker: int, num_workers: int) -> Iterator[Chunk]:
@@ -173,6 +191,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         ) as client:
             welcome = client.hello()
             self.n_windows = welcome.n_windows
+            self.eos_id = welcome.eos_id
             n_steps = self._steps_left(start, welcome.n_windows)
 
             def steps() -> Iterator[int]:
@@ -238,26 +257,45 @@ def _distributed_defaults() -> tuple[int, int]:
         raise ConfigError(f"RANK/WORLD_SIZE must be integers: {exc}") from None
 
 
-def _batch(chunk: Chunk, b: int, batch_size: int) -> Batch:
-    # The model wants contiguous int64 ids: convert straight from the received buffer, one
-    # pass each for inputs and labels, and no other copy of the tokens. (The received
-    # buffer is read-only, hence the copies of the small id arrays.)
-    rows = slice(b * batch_size, (b + 1) * batch_size)
-    block = chunk.tokens[rows]
-    return {
-        "input_ids": torch.from_numpy(block[:, :-1].astype(np.int64)),
-        "labels": torch.from_numpy(block[:, 1:].astype(np.int64)),
-        "window_ids": torch.from_numpy(chunk.window_ids[rows].copy()),
-        "epoch": torch.from_numpy(chunk.epochs[rows].copy()),
+def _from_rows(
+    rows: np.ndarray, window_ids: torch.Tensor, epochs: torch.Tensor, eos_id: int | None
+) -> Batch:
+    # The model wants contiguous int64 ids: convert straight from the received tokens, one
+    # pass each for inputs and labels, and no other copy.
+    input_ids = rows[:, :-1].astype(np.int64)
+    batch = {
+        "input_ids": torch.from_numpy(input_ids),
+        "labels": torch.from_numpy(rows[:, 1:].astype(np.int64)),
+        "window_ids": window_ids,
+        "epoch": epochs,
     }
+    if eos_id is not None:
+        position_ids, cu_seqlens = document_fields(input_ids, eos_id)
+        batch["position_ids"] = torch.from_numpy(position_ids)
+        batch["cu_seqlens"] = torch.from_numpy(cu_seqlens)
+    return batch
 
 
-def batches_of(chunk: Chunk, batch_size: int) -> Iterator[Batch]:
-    """The batches of one received chunk, converted one at a time as they are taken."""
-    return (_batch(chunk, b, batch_size) for b in range(chunk.request.count))
+def _batch(chunk: Chunk, b: int, batch_size: int, eos_id: int | None) -> Batch:
+    rows = slice(b * batch_size, (b + 1) * batch_size)
+    return _from_rows(
+        chunk.tokens[rows],
+        torch.from_numpy(chunk.window_ids[rows].copy()),  # the received buffer is read-only
+        torch.from_numpy(chunk.epochs[rows].copy()),
+        eos_id,
+    )
 
 
-def _pack(pieces: list[tuple[Chunk, int, int]], batch_size: int) -> Batch:
+def batches_of(chunk: Chunk, batch_size: int, eos_id: int | None = None) -> Iterator[Batch]:
+    """The batches of one received chunk, converted one at a time as they are taken.
+
+    With ``eos_id``, each batch also carries ``position_ids`` and ``cu_seqlens``
+    (see :func:`tokenfeed.documents.document_fields`).
+    """
+    return (_batch(chunk, b, batch_size, eos_id) for b in range(chunk.request.count))
+
+
+def _pack(pieces: list[tuple[Chunk, int, int]], batch_size: int, eos_id: int | None) -> Batch:
     # One copy of the raw rows into a fresh (writable, shareable) array per item.
     def rows(field: str) -> np.ndarray:
         parts = [getattr(c, field)[lo * batch_size : hi * batch_size] for c, lo, hi in pieces]
@@ -265,11 +303,14 @@ def _pack(pieces: list[tuple[Chunk, int, int]], batch_size: int) -> Batch:
 
     tokens = rows("tokens")
     n = len(tokens) // batch_size
-    return {
+    item = {
         "tokens": torch.from_numpy(tokens.reshape(n, batch_size, -1)),
         "window_ids": torch.from_numpy(rows("window_ids").reshape(n, batch_size)),
         "epoch": torch.from_numpy(rows("epochs").reshape(n, batch_size)),
     }
+    if eos_id is not None:  # boundaries are computed where the item is unpacked
+        item["eos_id"] = torch.tensor(eos_id)
+    return item
 
 
 def unpack(item: Batch) -> list[Batch]:
@@ -279,13 +320,9 @@ def unpack(item: Batch) -> list[Batch]:
     ``TokenFeedDataset`` with ``batches_per_item > 1`` into your own DataLoader.
     """
     tokens = item["tokens"].numpy()
+    eos_id = int(item["eos_id"]) if "eos_id" in item else None
     return [
-        {
-            "input_ids": torch.from_numpy(tokens[i, :, :-1].astype(np.int64)),
-            "labels": torch.from_numpy(tokens[i, :, 1:].astype(np.int64)),
-            "window_ids": item["window_ids"][i],
-            "epoch": item["epoch"][i],
-        }
+        _from_rows(tokens[i], item["window_ids"][i], item["epoch"][i], eos_id)
         for i in range(tokens.shape[0])
     ]
 

@@ -15,14 +15,14 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from tokenfeed.client import Chunk
-from tokenfeed.dataset import Batch, TokenFeedDataset, batches_of, unpack
+from tokenfeed.dataset import Batch, TokenFeedDataset, unpack
 from tokenfeed.device import stage
 
 _MAX_AUTO_PACK = 16
@@ -88,7 +88,7 @@ class TokenFeedLoader:
     def _batches(self) -> Iterator[Batch]:
         if self.num_workers == 0:
             return _Background(
-                self.dataset.iter_chunks(0, 1), self.dataset.job.batch_size, self.pin_memory
+                self.dataset.iter_chunks(0, 1), self.dataset.convert, self.pin_memory
             )
         packed = self.dataset.batches_per_item > 1
         items = iter(
@@ -131,20 +131,22 @@ class _Background(Iterator[Batch]):
     waits in the queue is raw tokens; with ``pin`` the thread converts and pins ahead.
     """
 
-    def __init__(self, source: Iterator[Chunk], batch_size: int, pin: bool) -> None:
+    def __init__(
+        self, source: Iterator[Chunk], convert: Callable[[Chunk], Iterator[Batch]], pin: bool
+    ) -> None:
         # One slot holds a whole chunk (tens of batches): one ready chunk plus the one being
         # consumed; the client's request window reads further ahead, at raw size, so more
         # slots would only hold memory.
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
-        self._batch_size = batch_size
+        self._convert = convert
         self._ready: Iterator[Batch] = iter(())
         self._done: BaseException | None = None
         # The thread gets the queue and the event, not self: otherwise it would keep this
         # object alive and a forgotten iterator could never be collected and stopped.
         self._thread = threading.Thread(
             target=_receive,
-            args=(source, batch_size, pin, self._queue, self._stop),
+            args=(source, convert, pin, self._queue, self._stop),
             name="tokenfeed-receive",
             daemon=True,
         )
@@ -164,9 +166,7 @@ class _Background(Iterator[Batch]):
                 self._done = StopIteration()  # raise it once, then stay exhausted
                 raise item
             else:
-                self._ready = (
-                    iter(item) if isinstance(item, list) else batches_of(item, self._batch_size)
-                )
+                self._ready = iter(item) if isinstance(item, list) else self._convert(item)
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the receiver and wait (briefly) until it has closed its connection."""
@@ -186,7 +186,7 @@ _END = object()
 
 def _receive(
     source: Iterator[Chunk],
-    batch_size: int,
+    convert: Callable[[Chunk], Iterator[Batch]],
     pin: bool,
     out: queue.Queue[Any],
     stop: threading.Event,
@@ -203,7 +203,7 @@ def _receive(
     try:
         for chunk in source:
             batches: Any = (
-                [{k: v.pin_memory() for k, v in b.items()} for b in batches_of(chunk, batch_size)]
+                [{k: v.pin_memory() for k, v in b.items()} for b in convert(chunk)]
                 if pin
                 else chunk
             )

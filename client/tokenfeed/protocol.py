@@ -120,6 +120,7 @@ class Welcome(Message):
     dtype: str
     window: int
     max_count: int
+    eos_id: int
 
 
 @dataclass(frozen=True)

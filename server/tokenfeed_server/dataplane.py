@@ -318,6 +318,7 @@ class DataPlane:
             dtype=ds.manifest.dtype,
             window=window,
             max_count=job.max_count,
+            eos_id=ds.manifest.tokenizer.eos_id,
         )
         self._send(sock, ident, [welcome.header()])
 
