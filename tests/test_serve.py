@@ -271,14 +271,20 @@ def test_restart_with_smaller_limits_changes_nothing(store: Path, tmp_path: Path
     try:
         for i, batch in enumerate(TokenFeedLoader(ds, num_workers=0, pin_memory=False)):
             got += batch["window_ids"].tolist()
-            if i == 5:
+            if i in (5, 40):  # twice: pieces cut for the first restart are cut again
+                per_chunk, window = (3, 2) if i == 5 else (1, 1)
                 ports = {"zmq_port": srv.zmq_port, "http_port": srv.http_port}
                 srv.kill()
                 srv = LiveServer(
                     store,
                     log_path=log,
                     **ports,
-                    extra=["--chunk-bytes", str(3 * batch_bytes), "--max-window", "2"],
+                    extra=[
+                        "--chunk-bytes",
+                        str(per_chunk * batch_bytes),
+                        "--max-window",
+                        str(window),
+                    ],
                 ).start()
     finally:
         srv.stop()

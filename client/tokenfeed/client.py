@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import logging
 import os
 import socket
@@ -116,6 +117,8 @@ class FeedClient:
         self._payload: list[Any] = []
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller = zmq.Poller()
+        # one id sequence per client: a late answer to an abandoned stream never matches
+        self._ids = itertools.count()
         # Unique per client object and kept across reconnects: the server replaces the
         # connection it knew under this name instead of counting a new one.
         self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}:{id(self):x}"
@@ -270,8 +273,9 @@ class FeedClient:
         """
         if self.welcome is None or self._sock is None:
             self.hello()
-        todo = (piece for req in requests for piece in self._split(req))  # lazily: current limit
-        ids = iter(range(1 << 62))
+        todo = iter(requests)
+        leftover: collections.deque[Request] = collections.deque()  # pieces not yet asked
+        ids = self._ids
         pending: collections.OrderedDict[int, Request] = collections.OrderedDict()
         sent: set[int] = set()  # asked on the current socket, not yet answered
         done: dict[int, Chunk] = {}
@@ -286,11 +290,18 @@ class FeedClient:
                 if rid not in sent and rid not in done:
                     self._send_get(rid, req)
                     sent.add(rid)
-            while not exhausted and len(sent) < window:
-                new = next(todo, None)
-                if new is None:
-                    exhausted = True
-                    break
+            # New requests only while fewer than `window` are unyielded: answers that wait
+            # behind a slow head of line count too, so memory stays window x chunk.
+            while len(pending) < window and not (exhausted and not leftover):
+                if not leftover:
+                    taken = next(todo, None)
+                    if taken is None:
+                        exhausted = True
+                        continue
+                    leftover.append(taken)
+                # cut with the limit in force now (a restarted server may have a smaller one)
+                new, *rest = self._split(leftover.popleft())
+                leftover.extendleft(reversed(rest))
                 rid = next(ids)
                 pending[rid] = new
                 self._send_get(rid, new)

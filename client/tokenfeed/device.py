@@ -55,10 +55,14 @@ def _pinned(buffers: Batch, batch: Batch) -> Batch:
         if value.is_pinned():
             out[key] = value  # the DataLoader's pin thread already did it
             continue
+        # Flat buffers that only grow: fields whose size changes from batch to batch
+        # (cu_seqlens) reuse them instead of pinning new memory every step.
         buf = buffers.get(key)
-        if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-            buf = buffers[key] = torch.empty_like(value, device="cpu").pin_memory()
-        out[key] = buf.copy_(value)
+        if buf is None or buf.dtype != value.dtype or buf.numel() < value.numel():
+            buf = buffers[key] = torch.empty(
+                max(value.numel(), 1), dtype=value.dtype, device="cpu"
+            ).pin_memory()
+        out[key] = buf[: value.numel()].view(value.shape).copy_(value)
     return out
 
 

@@ -363,6 +363,7 @@ class DataPlane:
                 "connection_limit",
                 f"the server runs max_jobs={cap} active jobs; try again later or ask the "
                 "operator to raise the limit",
+                retry=True,
             )
 
     def _check_connection_caps(self, tenant: str) -> None:

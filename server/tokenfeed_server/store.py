@@ -74,9 +74,15 @@ class Store:
         if entry is None or entry.signature != signature:
             # Opened outside the lock: validating (or hashing) a big dataset must not block
             # look-ups of the others. Two threads opening at once both succeed; one wins.
-            entry = self._open(name, signature)
+            opened = self._open(name, signature)
             with self._lock:
-                self._entries[name] = entry
+                current = self._entries.get(name)
+                if current is not None and current.signature == signature:
+                    entry = current  # another thread opened the same files first
+                else:
+                    self._entries[name] = entry = opened
+            if entry is not opened and opened.dataset is not None:
+                opened.dataset.close()
         if entry.error is not None:
             raise entry.error
         assert entry.dataset is not None
