@@ -50,15 +50,20 @@ class Store:
             )
         for name in list_datasets(self.root):
             try:
-                ds = self.get(name)
+                ds = self.get(name, verify_checksums=self.verify_checksums)
                 log.info(
                     "dataset %s: %d tokens, %d shards", name, ds.n_tokens, len(ds.manifest.shards)
                 )
             except StoreError as exc:
                 log.error("dataset %s is not served: %s", name, exc)
 
-    def get(self, name: str) -> Dataset:
-        """The open dataset ``name``; raises DatasetNotFound or the error that stops it."""
+    def get(self, name: str, *, verify_checksums: bool = False) -> Dataset:
+        """The open dataset ``name``; raises DatasetNotFound or the error that stops it.
+
+        Headers and sizes are always checked. Checksums only when asked: at start-up
+        with ``--verify-checksums``; never for a dataset replaced while serving, whose
+        reopening runs on the data plane and must not stall it for a full hash.
+        """
         validate_dataset_name(name)
         manifest = self.root / name / "manifest.json"
         try:
@@ -74,7 +79,7 @@ class Store:
         if entry is None or entry.signature != signature:
             # Opened outside the lock: validating (or hashing) a big dataset must not block
             # look-ups of the others. Two threads opening at once both succeed; one wins.
-            opened = self._open(name, signature)
+            opened = self._open(name, signature, verify_checksums)
             with self._lock:
                 current = self._entries.get(name)
                 if current is not None and current.signature == signature:
@@ -88,11 +93,11 @@ class Store:
         assert entry.dataset is not None
         return entry.dataset
 
-    def _open(self, name: str, signature: tuple[int, int]) -> _Entry:
+    def _open(self, name: str, signature: tuple[int, int], verify_checksums: bool) -> _Entry:
         # Failures are cached under the same signature, so a client hammering a corrupt
         # dataset does not make the server re-read it on every hello.
         try:
-            ds = open_dataset(self.root, name, verify_checksums=self.verify_checksums)
+            ds = open_dataset(self.root, name, verify_checksums=verify_checksums)
         except StoreError as exc:
             return _Entry(signature, None, exc)
         return _Entry(signature, ds, None)
