@@ -65,6 +65,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
@@ -111,9 +112,24 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def splitmix64(x: int) -> int:
-    """One splitmix64 output for state ``x`` (a fixed, portable 64-bit integer mixer)."""
-    return _mix64(x + _GOLDEN)
+@overload
+def splitmix64(x: int) -> int: ...
+@overload
+def splitmix64(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]: ...
+def splitmix64(x: int | npt.NDArray[np.uint64]) -> int | npt.NDArray[np.uint64]:
+    """One splitmix64 output for state ``x`` (a fixed, portable 64-bit integer mixer).
+
+    ``x`` is a Python int (exact, any size, taken mod 2**64) or a uint64 array (one output
+    per element, wrapping arithmetic); both give the same bits for the same state.
+    """
+    if isinstance(x, int):
+        return _mix64(x + _GOLDEN)
+    with np.errstate(over="ignore"):
+        z = np.asarray(x, dtype=np.uint64) + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        out: npt.NDArray[np.uint64] = z ^ (z >> np.uint64(31))
+        return out
 
 
 def _rounds(bits: int) -> int:

@@ -4,7 +4,7 @@ Two passes, memory bounded by ``PrepareConfig.memory_mb`` and never by the corpu
 
 1. *Scatter*: documents are read in order and tokenized in chunks by a process pool
    (at most ``2 * workers`` chunks in flight). Document ``i`` gets a random 64-bit key
-   ``splitmix64(seed, i)``; its tokens go to the on-disk bucket named by the key's top
+   ``document_keys(seed, i)``; its tokens go to the on-disk bucket named by the key's top
    bits. Bucket writes are buffered and flushed when the buffers reach a quarter of the
    budget.
 2. *Gather*: buckets are loaded one at a time, their documents sorted by key, and
@@ -35,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from tokenfeed.errors import DatasetExists, PrepareError
+from tokenfeed.plan import splitmix64
 from tokenfeed.shards import (
     MANIFEST_NAME,
     DatasetWriter,
@@ -49,13 +51,23 @@ from tokenfeed_server.corpus import CorpusStats, estimate_text_bytes, expand_inp
 from tokenfeed_server.progress import Progress
 from tokenfeed_server.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, parse_spec, train_bpe
 
-__all__ = ["PrepareConfig", "PrepareStats", "demo_corpus_paths", "prepare", "splitmix64"]
+__all__ = [
+    "PrepareConfig",
+    "PrepareStats",
+    "demo_corpus_paths",
+    "document_keys",
+    "prepare",
+]
 
 log = logging.getLogger(__name__)
 
 _MAX_BUCKET_BITS = 12
 _SPLIT_BITS = 4
 _CHUNK_DOCS = 4096
+# The document-key generator's constants (see document_keys); fixed forever.
+_GOLDEN = 0x9E3779B97F4A7C15
+_SEED_MULT = 0xD1B54A32D192ED03
+_SEED_ADD = 0x632BE59BD9B4E019
 
 
 @dataclass(frozen=True)
@@ -103,15 +115,18 @@ class PrepareStats:
     seconds: float = 0.0
 
 
-def splitmix64(seed: int, index: np.ndarray) -> np.ndarray:
-    """Seeded 64-bit random key per document index (vectorized splitmix64 finalizer)."""
+def document_keys(seed: int, first: int, count: int) -> npt.NDArray[np.uint64]:
+    """The shuffle keys of documents ``first .. first + count - 1`` for ``seed``.
+
+    Key ``i`` is :func:`tokenfeed.plan.splitmix64` of the state ``i * gamma + offset(seed)``:
+    the ``i``-th draw of a splitmix64 generator whose start depends on the seed. Pinned by
+    tests: changing it changes every dataset's order.
+    """
+    offset = (seed * _SEED_MULT + _SEED_ADD - _GOLDEN) % (1 << 64)
     with np.errstate(over="ignore"):
-        z = index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        z += np.uint64((seed * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) % (1 << 64))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        out: np.ndarray = z ^ (z >> np.uint64(31))
-        return out
+        state = np.arange(first, first + count, dtype=np.uint64) * np.uint64(_GOLDEN)
+        state += np.uint64(offset)
+    return splitmix64(state)
 
 
 # ------------------------------------------------------------------ buckets on disk
@@ -360,7 +375,7 @@ def _scatter(
     doc_index = 0
     with Progress(enabled=config.progress, desc=f"prepare {config.dataset}") as progress:
         for tokens, lengths in _encoded_chunks(tokenizer, texts, workers, chunk_bytes):
-            keys = splitmix64(config.seed, np.arange(doc_index, doc_index + len(lengths)))
+            keys = document_keys(config.seed, doc_index, len(lengths))
             doc_index += len(lengths)
             buckets.add(tokens, lengths, keys)
             stats.tokens += len(tokens) + len(lengths)
