@@ -230,6 +230,13 @@ GOOD = json.dumps({"text": "good"})
         ("x.jsonl", [GOOD, GOOD, json.dumps({"body": "t"})], r"x\.jsonl:3: no field 'text'"),
         ("x.jsonl", [json.dumps({"text": 5})], r"x\.jsonl:1: field 'text' is int"),
         ("x.jsonl", ["[1, 2]"], r"x\.jsonl:1: expected a JSON object"),
+        # Lone surrogates (common in scraped data) are valid JSON but not encodable text.
+        (
+            "x.jsonl",
+            [GOOD, json.dumps({"text": "bad \udc80"})],
+            r"x\.jsonl:2: field 'text' has a lone surrogate \\udc80 at character 4",
+        ),
+        ("x.jsonl", [json.dumps({"text": "\ud83d"})], r"x\.jsonl:1: .*lone surrogate \\ud83d"),
     ],
 )
 def test_bad_jsonl_records(tmp_path: Path, name: str, content: list[str], message: str) -> None:
@@ -248,6 +255,10 @@ def test_non_utf8(tmp_path: Path) -> None:
     t = tmp_path / "y.txt"
     t.write_bytes(b"line one\nline two \xff\xfe\n")
     with pytest.raises(BadRecord, match=r"y\.txt:2: not valid UTF-8"):
+        prepare(_config([t], tmp_path / "s"))
+    # A surrogate's UTF-8-like bytes in a text file: refused by the strict decoder.
+    t.write_bytes(b"bad \xed\xb2\x80\n")
+    with pytest.raises(BadRecord, match=r"y\.txt:1: not valid UTF-8"):
         prepare(_config([t], tmp_path / "s"))
 
 
@@ -286,14 +297,15 @@ def test_empty_corpus(tmp_path: Path) -> None:
 
 
 def test_skip_bad_counts(tmp_path: Path) -> None:
-    j = _jsonl(tmp_path / "x.jsonl", [GOOD, "{bad", json.dumps({"no": 1}), GOOD])
+    j = _jsonl(tmp_path / "x.jsonl", [GOOD, "{bad", json.dumps({"no": 1}), GOOD,
+                                      json.dumps({"text": "bad \udc80"})])  # fmt: skip
     with (tmp_path / "x.jsonl").open("ab") as f:
         f.write(b'{"text": "\xff"}\n' + GOOD.encode() + b"\n")
     gz = tmp_path / "y.jsonl.gz"
     gz.write_bytes(b"garbage")
     stats = PrepareStats()
     m = prepare(_config([j, gz], tmp_path / "s", skip_bad=True), stats)
-    assert stats.corpus.bad_records == 4
+    assert stats.corpus.bad_records == 5
     assert m.documents == 3
 
 

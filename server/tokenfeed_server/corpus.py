@@ -11,8 +11,9 @@
   are skipped.
 
 Bad input (unreadable file, corrupt compression, a line that is not JSON, lacks the field
-or is not a string, bytes that are not UTF-8) raises :class:`BadRecord` naming the file
-and line; with ``skip_bad`` it is logged, counted in :class:`CorpusStats` and skipped.
+or is not a string, bytes that are not UTF-8, a lone surrogate escape such as
+``"\\udc80"``) raises :class:`BadRecord` naming the file and line; with ``skip_bad`` it
+is logged, counted in :class:`CorpusStats` and skipped.
 Empty documents are skipped and counted.
 """
 
@@ -23,6 +24,7 @@ import io
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ _COMPRESSED = (".gz", ".zst")
 _JSONL = (".jsonl", ".ndjson")
 _WALKED = (".txt", ".text", ".md", ".rst", *_JSONL, ".parquet")
 _MAX_LOGGED_BAD = 20
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 @dataclass
@@ -207,6 +210,12 @@ def _parse_json_line(path: Path, lineno: int, raw: bytes, text_field: str) -> _I
     text = record[text_field]
     if not isinstance(text, str):
         return _bad(path, lineno, f"field {text_field!r} is {type(text).__name__}, not a string")
+    # JSON may spell a lone surrogate ("\udc80"), which no tokenizer can encode. Only a
+    # \u escape can make one, so lines without one skip the scan.
+    if b"\\u" in raw and (found := _SURROGATE.search(text)) is not None:
+        code = f"\\u{ord(found.group()):04x}"
+        what = f"field {text_field!r} has a lone surrogate {code} at character {found.start()}"
+        return _bad(path, lineno, f"{what} (not encodable as UTF-8)")
     return text
 
 
