@@ -1,12 +1,22 @@
 """The HTTP API: health, readiness, datasets, jobs and Prometheus metrics.
 
 Handlers only read: the data plane publishes a status snapshot twice a second and the
-store answers dataset look-ups; no handler touches a ZeroMQ socket.
+store answers dataset look-ups; no handler touches a ZeroMQ socket. Every ``/v1``
+answer is a declared model (:mod:`tokenfeed_server.api_models`).
+
+Who sees what: health, readiness and limits are open to all. On an authenticated
+server (a tenants file or ``--token``) a tenant sees its own jobs and the datasets its
+patterns match, by name only; the store's path (in ``/v1/status`` and in dataset errors)
+and ``/metrics`` (whose labels name every tenant and dataset) are for the admin token.
+An open server is single-user, so its caller is the admin, unless ``--admin-token`` is
+set to keep paths and metrics to that token's holder.
 """
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
@@ -16,9 +26,20 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenfeed.errors import InvalidDatasetName, StoreError
+from tokenfeed.errors import DatasetNotFound, InvalidDatasetName, StoreError
 from tokenfeed_server import __version__
-from tokenfeed_server.auth import Tenant, Tenants
+from tokenfeed_server.api_models import (
+    BrokenDatasetView,
+    ConfigView,
+    DatasetView,
+    ErrorBody,
+    Health,
+    JobView,
+    LimitsView,
+    Readiness,
+    StatusView,
+)
+from tokenfeed_server.auth import Tenant, Tenants, token_digest
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane import DataPlane
 from tokenfeed_server.store import Store, summary
@@ -37,46 +58,116 @@ class ServerState:
         self.dataplane = dataplane
         self.tenants = tenants
         self.ready = False
+        #: digest of --admin-token on an open server (an authenticated one keeps it in tenants)
+        self.open_admin_sha256 = (
+            token_digest(config.admin_token) if tenants is None and config.admin_token else None
+        )
+        root = str(store.root)
+        # Longest first, so that the resolved form is not half-replaced by the given one.
+        self._store_paths = sorted({root, str(Path(root).resolve())}, key=len, reverse=True)
+
+    def redact(self, message: str) -> str:
+        """``message`` with the store's path replaced, for callers who are not the admin."""
+        for path in self._store_paths:
+            message = message.replace(path, "<store>")
+        return message
 
 
 class Viewer:
-    """Who is asking over HTTP: everyone (open server), the admin, or one tenant."""
+    """Who is asking over HTTP, and so what the answer may show.
 
-    def __init__(self, tenant: Tenant | None, admin: bool) -> None:
+    ``admin``: everything, store paths and ``/metrics`` included. ``sees_all``: every job
+    and dataset by name (the admin, or anyone on an open server). A ``tenant``: its own
+    jobs and the datasets its patterns match. Neither: an anonymous caller of an
+    authenticated server, who gets only what is open to all.
+    """
+
+    def __init__(self, tenant: Tenant | None, *, admin: bool, sees_all: bool = False) -> None:
         self.tenant = tenant
         self.admin = admin
+        self.sees_all = admin or sees_all
 
     def sees_tenant(self, name: str) -> bool:
-        return self.admin or (self.tenant is not None and self.tenant.name == name)
+        """True if the caller may see the jobs of tenant ``name``."""
+        return self.sees_all or (self.tenant is not None and self.tenant.name == name)
 
     def sees_dataset(self, name: str) -> bool:
-        return self.admin or (self.tenant is not None and self.tenant.may_read(name))
+        """True if the caller may learn that dataset ``name`` exists."""
+        return self.sees_all or (self.tenant is not None and self.tenant.may_read(name))
 
 
 _bearer = HTTPBearer(auto_error=False)
+_WANT_BEARER = {"WWW-Authenticate": "Bearer"}
 
 
-def _viewer(
+def _caller(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Viewer:
-    tenants = request.app.state.tokenfeed.tenants
+    """Identify the caller; an unknown token on an authenticated server is a 401."""
+    state: ServerState = request.app.state.tokenfeed
+    token = credentials.credentials if credentials is not None else None
+    tenants = state.tenants
     if tenants is None:
-        return Viewer(None, admin=True)  # an open server has nothing to hide
-    if credentials is None:
-        raise HTTPException(
-            401, "send 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
+        # An open server is single-user (loopback, or --insecure on purpose): everyone is
+        # the admin, unless an admin token was set to keep paths and metrics to its holder.
+        admin = state.open_admin_sha256 is None or (
+            token is not None and hmac.compare_digest(token_digest(token), state.open_admin_sha256)
         )
-    token = credentials.credentials
+        return Viewer(None, admin=admin, sees_all=True)
+    if token is None:
+        return Viewer(None, admin=False)
     if tenants.is_admin(token):
         return Viewer(None, admin=True)
     tenant = tenants.authenticate(token)
     if tenant is None:
-        raise HTTPException(401, "unknown token", headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(401, "unknown token", headers=_WANT_BEARER)
     return Viewer(tenant, admin=False)
 
 
-Who = Annotated[Viewer, Depends(_viewer)]
+def _reader(who: Annotated[Viewer, Depends(_caller)]) -> Viewer:
+    """A caller allowed to read jobs and datasets: the admin, a tenant, or anyone if open."""
+    if who.tenant is None and not who.sees_all:
+        raise HTTPException(401, "send 'Authorization: Bearer <token>'", headers=_WANT_BEARER)
+    return who
+
+
+def _scraper(request: Request, who: Annotated[Viewer, Depends(_caller)]) -> Viewer:
+    """A caller allowed to scrape /metrics, whose labels name every tenant and dataset."""
+    state: ServerState = request.app.state.tokenfeed
+    if who.admin:
+        return who
+    if who.tenant is None:
+        raise HTTPException(
+            401, "/metrics wants 'Authorization: Bearer <admin token>'", headers=_WANT_BEARER
+        )
+    tenants = state.tenants
+    assert tenants is not None  # a tenant was authenticated
+    if state.config.tenants_file is None and tenants.admin_token_sha256 is None:
+        return who  # one shared token and no admin: its holder already sees every job
+    hint = (
+        ""
+        if tenants.admin_token_sha256 is not None
+        else "; none is configured: set admin_token_sha256 in the tenants file or --admin-token"
+    )
+    raise HTTPException(403, f"/metrics wants the admin token, not a tenant's{hint}")
+
+
+Caller = Annotated[Viewer, Depends(_caller)]
+Reader = Annotated[Viewer, Depends(_reader)]
+Scraper = Annotated[Viewer, Depends(_scraper)]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "Not a valid dataset name."},
+    401: {"model": ErrorBody, "description": "No token, or one the server does not know."},
+    403: {"model": ErrorBody, "description": "A valid token without the needed right."},
+    404: {"model": ErrorBody, "description": "No such dataset for this caller."},
+    409: {"model": ErrorBody, "description": "The dataset exists but is broken."},
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: _ERRORS[code] for code in codes}
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -87,63 +178,83 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.tokenfeed = state
 
     @app.get("/healthz")
-    def healthz() -> dict[str, str]:
+    def healthz() -> Health:
         """Alive: 200 while the process runs."""
-        return {"status": "ok"}
+        return Health(status="ok")
 
-    @app.get("/readyz")
-    def readyz(response: Response) -> dict[str, Any]:
+    @app.get("/readyz", responses={503: {"model": Readiness, "description": "Not ready yet."}})
+    def readyz(response: Response) -> Readiness:
         """Ready: 200 once the store is open and the data socket is bound, else 503."""
         if not (state.ready and state.dataplane.alive):
             response.status_code = 503
-            return {"status": "not ready"}
-        return {"status": "ready", "zmq": state.dataplane.endpoint}
+            return Readiness(status="not ready")
+        return Readiness(status="ready", zmq=state.dataplane.endpoint)
 
-    @app.get("/v1/datasets")
-    def datasets(who: Who) -> list[dict[str, Any]]:
+    @app.get("/v1/datasets", responses=_errors(401))
+    def datasets(who: Reader) -> list[DatasetView | BrokenDatasetView]:
         """Summaries of the datasets the caller may read (broken ones with their error)."""
-        return [d for d in state.store.summaries() if who.sees_dataset(d["name"])]
+        out: list[DatasetView | BrokenDatasetView] = []
+        for entry in state.store.summaries():
+            if not who.sees_dataset(entry["name"]):
+                continue
+            if entry["ok"]:
+                out.append(DatasetView.model_validate(entry))
+            else:
+                error = entry["error"] if who.admin else state.redact(entry["error"])
+                out.append(BrokenDatasetView(name=entry["name"], ok=False, error=error))
+        return out
 
-    @app.get("/v1/datasets/{name}")
-    def dataset(name: str, who: Who) -> dict[str, Any]:
+    @app.get("/v1/datasets/{name}", responses=_errors(400, 401, 404, 409))
+    def dataset(name: str, who: Reader) -> DatasetView:
         """Manifest summary of one dataset."""
+        # A tenant gets the same answer for a dataset it may not read and for one that
+        # does not exist, and never the store's message (its path and every name in it).
+        missing = f"no dataset {name!r}" + ("" if who.sees_all else " for this token")
         if not who.sees_dataset(name):
-            raise HTTPException(status_code=404, detail=f"no dataset {name!r} for this token")
+            raise HTTPException(404, missing)
         try:
-            return summary(state.store.get(name))
+            return DatasetView.model_validate(summary(state.store.get(name)))
         except InvalidDatasetName as exc:
-            raise HTTPException(status_code=400, detail=str(exc)) from None
-        except KeyError as exc:
-            raise HTTPException(status_code=404, detail=str(exc)) from None
+            raise HTTPException(400, str(exc)) from None
+        except DatasetNotFound as exc:
+            raise HTTPException(404, str(exc) if who.admin else missing) from None
         except StoreError as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from None
+            raise HTTPException(409, str(exc) if who.admin else state.redact(str(exc))) from None
 
-    @app.get("/v1/jobs")
-    def jobs(who: Who) -> list[dict[str, Any]]:
+    @app.get("/v1/jobs", responses=_errors(401))
+    def jobs(who: Reader) -> list[JobView]:
         """Per job: dataset, plan inputs, workers, batches, tokens, tokens/s, position."""
-        return [j for j in state.dataplane.snapshot["jobs"] if who.sees_tenant(j["tenant"])]
+        return [
+            JobView.model_validate(job)
+            for job in state.dataplane.snapshot["jobs"]
+            if who.sees_tenant(job["tenant"])
+        ]
 
     @app.get("/v1/limits")
-    def limits() -> dict[str, int]:
+    def limits() -> LimitsView:
         """The limits every client is held to."""
-        return state.config.limits.as_dict()
+        return LimitsView.model_validate(state.config.limits.as_dict())
 
-    @app.get("/v1/status")
-    def status() -> dict[str, Any]:
-        """Server instance, settings, connection count and counters."""
+    @app.get("/v1/status", responses=_errors(401))
+    def status(who: Caller) -> StatusView:
+        """Server instance, settings, connection count and counters (the store path: admin)."""
         snap = state.dataplane.snapshot
-        return {
-            "version": __version__,
-            "server": state.dataplane.instance,
-            "ready": state.ready,
-            "connections": snap["connections"],
-            "counters": snap["counters"],
-            "config": state.config.public_view(),
-        }
+        config = dict(state.config.public_view())
+        if not who.admin:
+            config["store"] = None
+        return StatusView(
+            version=__version__,
+            server=state.dataplane.instance,
+            ready=state.ready,
+            connections=snap["connections"],
+            counters=snap["counters"],
+            config=ConfigView.model_validate(config),
+        )
 
-    @app.get("/metrics", response_class=PlainTextResponse)
-    def metrics() -> Response:
-        """Prometheus text exposition."""
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_errors(401, 403))
+    def metrics(who: Scraper) -> Response:
+        """Prometheus text exposition; its labels name tenants and datasets, so it wants the
+        admin token on an authenticated server (or the shared one when there is no admin)."""
         return Response(generate_latest(registry), media_type=PROMETHEUS_CONTENT_TYPE)
 
     return app

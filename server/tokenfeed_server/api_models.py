@@ -1,0 +1,143 @@
+"""The HTTP API's response models: what each endpoint returns, field by field.
+
+They are the contract published at ``/openapi.json`` (every field carries its
+description) and checked by the schemathesis run in the tests. The data plane and the
+store keep producing plain dicts; the API converts them here, at its boundary, so a key
+that goes missing upstream fails loudly in the tests instead of silently in a client.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Model(BaseModel):
+    # Frozen: a response is built once and sent. Unknown input keys are ignored so that a
+    # producer may add a key before the API publishes it.
+    model_config = ConfigDict(frozen=True)
+
+
+class ErrorBody(_Model):
+    """Every 4xx answer of the API."""
+
+    detail: str = Field(description="What went wrong and, where it helps, what to do.")
+
+
+class Health(_Model):
+    """Liveness."""
+
+    status: Literal["ok"] = Field(description="Always `ok`: the process is running.")
+
+
+class Readiness(_Model):
+    """Readiness: whether trainers can be served now."""
+
+    status: Literal["ready", "not ready"] = Field(
+        description="`ready` once the store is open and both sockets are bound."
+    )
+    zmq: str | None = Field(
+        default=None, description="The data plane's ZeroMQ endpoint; null while not ready."
+    )
+
+
+class TokenizerView(_Model):
+    """The tokenizer a dataset was prepared with."""
+
+    kind: str = Field(description="Tokenizer family, e.g. `byte` or `bpe`.")
+    vocab_size: int = Field(description="Number of token ids, the EOS id included.")
+    eos_id: int = Field(description="Id of the end-of-document token.")
+
+
+class DatasetView(_Model):
+    """The manifest summary of a dataset that opened cleanly."""
+
+    name: str = Field(description="Dataset name (its directory in the store).")
+    ok: Literal[True] = Field(description="True: the dataset is served.")
+    fingerprint: str = Field(description="Identity of this build; changes on every rebuild.")
+    tokens: int = Field(description="Tokens in the dataset, EOS tokens included.")
+    documents: int = Field(description="Documents in the dataset.")
+    dtype: str = Field(description="Token storage type: `uint16` or `uint32`.")
+    shards: int = Field(description="Number of shard files.")
+    tokenizer: TokenizerView = Field(description="The tokenizer the dataset was prepared with.")
+    shuffle_seed: int = Field(description="Seed of the document shuffle done at prepare time.")
+    format_version: int = Field(description="Version of the on-disk format.")
+    created: str = Field(description="When the dataset was written (ISO 8601, UTC).")
+
+
+class BrokenDatasetView(_Model):
+    """A dataset on disk that fails to open and is not served."""
+
+    name: str = Field(description="Dataset name (its directory in the store).")
+    ok: Literal[False] = Field(description="False: the dataset is not served.")
+    error: str = Field(description="Why it is refused (store paths only for the admin).")
+
+
+class JobView(_Model):
+    """One training run as the server sees it."""
+
+    id: str = Field(
+        description="Job id, derived from the tenant, the dataset build and the plan inputs."
+    )
+    tenant: str = Field(description="Tenant that runs the job (`anonymous` on an open server).")
+    dataset: str = Field(description="Name of the dataset the job reads.")
+    seq_len: int = Field(description="Tokens per row, before the one-token shift.")
+    batch_size: int = Field(description="Rows per batch of one rank.")
+    seed: int = Field(description="Seed of the job's sampling plan.")
+    world_size: int = Field(description="Number of ranks sharing the plan.")
+    weight: float = Field(description="The tenant's fair-share weight.")
+    workers: int = Field(description="Connections attached to the job now.")
+    requests: int = Field(description="Requests answered.")
+    batches_served: int = Field(description="Batches sent.")
+    tokens_served: int = Field(description="Tokens sent.")
+    tokens_per_s: float = Field(description="Recent rate of tokens sent per second.")
+    position: int = Field(description="Furthest stream position served (in batches).")
+    epoch: int = Field(description="Epoch of that position.")
+    retransmits: int = Field(description="Requests for data that was already sent once.")
+    queued: int = Field(description="Requests waiting for their turn.")
+    created: float = Field(description="When the job was first seen (Unix time, seconds).")
+
+
+class LimitsView(_Model):
+    """What one client may ask of the server; beyond any of these it gets an error."""
+
+    max_message_bytes: int = Field(description="Largest inbound ZeroMQ message, in bytes.")
+    max_window: int = Field(description="Most requests one connection may have outstanding.")
+    max_chunk_bytes: int = Field(description="Largest chunk one request may produce, in bytes.")
+    max_batch_tokens: int = Field(description="Largest batch of one rank, in tokens.")
+    max_connections: int = Field(description="Connections attached at once, in total.")
+    max_connections_per_tenant: int = Field(description="Connections attached at once, per tenant.")
+    max_jobs: int = Field(description="Jobs known at once; idle ones are forgotten first.")
+
+
+class ConfigView(_Model):
+    """The server's settings as shown over HTTP (never a secret)."""
+
+    store: str | None = Field(
+        description="Store directory; null unless the caller is the admin (or the server is "
+        "open, i.e. single-user)."
+    )
+    host: str = Field(description="Address the server listens on.")
+    zmq_port: int = Field(description="Data port as configured (0: any free).")
+    http_port: int = Field(description="HTTP port as configured (0: any free).")
+    chunk_bytes: int = Field(description="Target size of one chunk, in bytes.")
+    peer_timeout_s: float = Field(description="A silent connection is forgotten after this.")
+    job_ttl_s: float = Field(description="A job with no connection is forgotten after this.")
+    limits: LimitsView = Field(description="The limits every client is held to.")
+    auth: Literal["tenants", "token", "open"] = Field(
+        description="Authentication: a tenants file, one shared token, or none."
+    )
+    curve: bool = Field(description="True when data traffic is CURVE-encrypted.")
+    max_tokens_per_s: int = Field(description="Cap on tokens sent per second; 0 for none.")
+
+
+class StatusView(_Model):
+    """The server instance, its settings, connection count and event counters."""
+
+    version: str = Field(description="tokenfeed-server version.")
+    server: str = Field(description="Id of this server process; changes on every restart.")
+    ready: bool = Field(description="True while serving.")
+    connections: int = Field(description="Data connections attached now.")
+    counters: dict[str, int] = Field(description="Data plane event counts since start.")
+    config: ConfigView = Field(description="The settings in effect.")
