@@ -7,6 +7,7 @@ import gzip
 import itertools
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,7 +20,6 @@ import zstandard
 
 from tokenfeed.errors import BadRecord, DatasetExists, DatasetNotFound, PrepareError
 from tokenfeed.plan import splitmix64
-from tokenfeed.shards import TEMP_PREFIX, Dataset, list_datasets, open_dataset
 from tokenfeed_server.prepare import (
     PrepareConfig,
     PrepareStats,
@@ -27,6 +27,8 @@ from tokenfeed_server.prepare import (
     document_keys,
     prepare,
 )
+from tokenfeed_server.store import Dataset, list_datasets, open_dataset
+from tokenfeed_server.store.format import TEMP_PREFIX
 from tokenfeed_server.tokenizer import load_dataset_tokenizer
 
 CLI = [sys.executable, "-m", "tokenfeed_server.cli"]
@@ -366,6 +368,39 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--store" in r.stderr
     r = _run("inspect", tmp_path / "s" / "nothere")
     assert r.returncode == 2 and "no dataset" in r.stderr
+
+
+def _limit_file_size(limit: int) -> None:
+    # Runs in the child: files stop growing at ``limit`` bytes and write() fails with
+    # EFBIG, the way a full disk fails it with ENOSPC (SIGXFSZ ignored, or it would kill).
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.parametrize(("memory_mb", "where"), [("512", "scratch buckets"), ("1", "shards")])
+def test_out_of_space_is_one_line_and_leaves_nothing(
+    tmp_path: Path, memory_mb: str, where: str
+) -> None:
+    # 3 MB of text: 6 MB of uint16 tokens. With 512 MB of memory there is one bucket of
+    # 6 MB (the scatter fails); with 1 MB, buckets of < 256 KB but one 6 MB shard.
+    corpus = _jsonl(tmp_path / "c.jsonl", [json.dumps({"text": "ab " * 1000})] * 1000)
+    store = tmp_path / "store"
+    store.mkdir()
+    args = ["prepare", corpus, "--store", store, "--dataset", "d", "--memory-mb", memory_mb]
+    r = subprocess.run(
+        [*CLI, *map(str, args), "--no-progress"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: _limit_file_size(1 << 20),
+        restore_signals=False,  # keep SIGXFSZ ignored through exec
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"store {store} ran out of space while writing {where}" in r.stderr
+    assert "needs about 11 MiB free" in r.stderr  # 2x the 6 MB of tokens (rounded)
+    assert os.listdir(store) == []
 
 
 def _big_corpus(path: Path, mb: int) -> Path:

@@ -2,14 +2,19 @@
 
 Two passes, memory bounded by ``PrepareConfig.memory_mb`` and never by the corpus size:
 
-1. *Scatter*: documents are read in order and tokenized in chunks by a process pool
-   (at most ``2 * workers`` chunks in flight). Document ``i`` gets a random 64-bit key
-   ``document_keys(seed, i)``; its tokens go to the on-disk bucket named by the key's top
-   bits. Bucket writes are buffered and flushed when the buffers reach a quarter of the
-   budget.
+1. *Scatter*: documents are read in order and tokenized in chunks, in this process by
+   default (``workers > 1``: by a process pool, at most ``2 * workers`` chunks in
+   flight). A document longer than a chunk is encoded in pieces (see
+   :meth:`~tokenfeed_server.tokenizer.Tokenizer.encode_batch`). Document ``i`` gets a
+   random 64-bit key ``document_keys(seed, i)``; its tokens go to the on-disk bucket
+   named by the key's top bits. Bucket writes are buffered and flushed when the buffers
+   reach a quarter of the budget.
 2. *Gather*: buckets are loaded one at a time, their documents sorted by key, and
-   streamed into :class:`~tokenfeed.shards.DatasetWriter`. A bucket larger than its share
-   of the budget is split on disk by the next key bits first (recursively).
+   streamed into :class:`~tokenfeed_server.store.writer.DatasetWriter`. A bucket larger
+   than its share of the budget is split on disk by the next key bits first
+   (recursively).
+
+A ``bpe:VOCAB`` tokenizer is first trained on the first ``bpe_train_mb`` of the inputs.
 
 So the output order is "all documents sorted by a seeded random key": a uniform global
 shuffle that depends only on the seed and the corpus, not on the memory budget, the
@@ -20,6 +25,8 @@ SIGKILL, by the next run).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import math
 import multiprocessing
@@ -39,21 +46,18 @@ import numpy.typing as npt
 
 from tokenfeed.errors import DatasetExists, PrepareError
 from tokenfeed.plan import splitmix64
-from tokenfeed.shards import (
-    MANIFEST_NAME,
-    DatasetWriter,
-    Manifest,
-    clean_stale_temp_dirs,
-    make_temp_dir,
-    validate_dataset_name,
-)
 from tokenfeed_server.corpus import CorpusStats, estimate_text_bytes, expand_inputs, iter_documents
 from tokenfeed_server.progress import Progress
+from tokenfeed_server.store.format import MANIFEST_NAME
+from tokenfeed_server.store.manifest import Manifest
+from tokenfeed_server.store.reader import validate_dataset_name
+from tokenfeed_server.store.writer import DatasetWriter, clean_stale_temp_dirs, make_temp_dir
 from tokenfeed_server.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, parse_spec, train_bpe
 
 __all__ = [
     "PrepareConfig",
     "PrepareStats",
+    "StoreFull",
     "demo_corpus_paths",
     "document_keys",
     "prepare",
@@ -70,6 +74,14 @@ _SEED_MULT = 0xD1B54A32D192ED03
 _SEED_ADD = 0x632BE59BD9B4E019
 
 
+# write() errors that mean "no room": a full disk, a full quota, a file-size limit.
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class StoreFull(PrepareError):
+    """The store's file system refused a write for lack of space (or quota, or file size)."""
+
+
 @dataclass(frozen=True)
 class PrepareConfig:
     """Everything one prepare run needs; built once (by the CLI) and passed down."""
@@ -83,22 +95,28 @@ class PrepareConfig:
     skip_bad: bool = False
     overwrite: bool = False
     memory_mb: float = 512.0
-    workers: int = 0  # 0: one per CPU core
+    workers: int = 0  # 0 or 1: tokenize in this process; more: a pool of that many
     shard_tokens: int = 1 << 26
     eos_token: str | None = None
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
+    bpe_train_mb: float = 64.0  # bpe:VOCAB trains on this many MB, the inputs' first
 
     @property
     def memory_bytes(self) -> int:
         """The memory budget in bytes."""
         return int(self.memory_mb * (1 << 20))
 
+    @property
+    def bpe_train_bytes(self) -> int:
+        """The cap on the text a ``bpe:VOCAB`` tokenizer trains on, in bytes."""
+        return int(self.bpe_train_mb * (1 << 20))
+
     def resolved_workers(self) -> int:
         """Tokenizer processes (>= 1); auto (0) means tokenize in this process.
 
-        Measured (benchmarks/bench_prepare.py, 2 cores): the byte tokenizer is a memcpy and
-        a pool only adds IPC (98 vs 40 MB/s); tokenizers' Rust encode_batch already uses
-        every core in-process (bpe: 1.5 vs 0.6 MB/s with a 2-process pool).
+        In-process is the default because a pool measured slower for both tokenizers
+        (benchmarks/bench_prepare.py): the byte tokenizer is a memcpy that a pool only adds
+        IPC to, and tokenizers' Rust encode_batch already uses every core in-process.
         """
         return self.workers if self.workers > 0 else 1
 
@@ -231,9 +249,9 @@ def _init_worker(tokenizer: Tokenizer) -> None:
     _WORKER_TOKENIZER = tokenizer
 
 
-def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_chunk(texts: list[str], max_chars: int) -> tuple[np.ndarray, np.ndarray]:
     assert _WORKER_TOKENIZER is not None
-    return _WORKER_TOKENIZER.encode_batch(texts)
+    return _WORKER_TOKENIZER.encode_batch(texts, max_chars=max_chars)
 
 
 def _chunks(texts: Iterable[str], max_bytes: int) -> Iterator[list[str]]:
@@ -255,14 +273,14 @@ def _encoded_chunks(
     """Tokenize in order; with several workers, a bounded window of chunks in flight."""
     if workers <= 1:
         for chunk in _chunks(texts, chunk_bytes):
-            yield tokenizer.encode_batch(chunk)
+            yield tokenizer.encode_batch(chunk, max_chars=chunk_bytes)
         return
     # spawn, not fork: the parent may hold Rust/tqdm threads that a fork would copy mid-lock.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
         pending: deque[Any] = deque()
         for chunk in _chunks(texts, chunk_bytes):
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            pending.append(pool.apply_async(_encode_chunk, (chunk, chunk_bytes)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -275,9 +293,15 @@ def _build_tokenizer(config: PrepareConfig, files: list[Path]) -> Tokenizer:
         return ByteTokenizer()
     if kind == "file":
         return HFTokenizer.from_file(arg, eos_token=config.eos_token)
-    log.info("training a byte-level BPE with %d entries on the corpus", arg)
+    if config.bpe_train_bytes < 1 << 20:
+        raise PrepareError(f"--bpe-train-mb must be at least 1, got {config.bpe_train_mb}")
+    log.info(
+        "training a byte-level BPE with %d entries on the first %g MB of the corpus",
+        arg,
+        config.bpe_train_mb,
+    )
     texts = iter_documents(files, text_field=config.text_field, skip_bad=config.skip_bad)
-    return train_bpe(texts, arg)
+    return train_bpe(texts, arg, max_bytes=config.bpe_train_bytes, progress=config.progress)
 
 
 def _bucket_bits(estimated_bytes: int, bucket_bytes: int) -> int:
@@ -289,8 +313,8 @@ def _bucket_bits(estimated_bytes: int, bucket_bytes: int) -> int:
 def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifest:
     """Build dataset ``config.dataset`` in ``config.store`` from ``config.inputs``.
 
-    Raises PrepareError (BadRecord for bad input), DatasetExists, InvalidDatasetName.
-    Leaves nothing behind on failure.
+    Raises PrepareError (BadRecord for bad input, StoreFull when the store's disk fills
+    up), DatasetExists, InvalidDatasetName. Leaves nothing behind on failure.
     """
     stats = stats if stats is not None else PrepareStats()
     started = time.perf_counter()
@@ -311,29 +335,34 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
     for stale in clean_stale_temp_dirs(config.store):
         log.info("removed stale temp dir %s of an interrupted run", stale)
     tokenizer = _build_tokenizer(config, files)
+    text_bytes = estimate_text_bytes(files)
     scratch = make_temp_dir(config.store, config.dataset)
     try:
         extra: dict[str, Path] = {}
-        tokenizer_json = tokenizer.json()
-        if tokenizer_json is not None and tokenizer.info.file:
-            (scratch / tokenizer.info.file).write_text(tokenizer_json, encoding="utf-8")
-            extra[tokenizer.info.file] = scratch / tokenizer.info.file
-        buckets = _scatter(config, files, tokenizer, scratch / "buckets", stats)
+        with _store_full_as_error(config, "scratch buckets", stats, text_bytes, tokenizer):
+            tokenizer_json = tokenizer.json()
+            if tokenizer_json is not None and tokenizer.info.file:
+                (scratch / tokenizer.info.file).write_text(tokenizer_json, encoding="utf-8")
+                extra[tokenizer.info.file] = scratch / tokenizer.info.file
+            buckets = _scatter(config, files, tokenizer, scratch / "buckets", stats)
         if stats.corpus.documents == 0:
             raise PrepareError(
                 f"empty corpus: no non-empty documents in {len(files)} input file(s) "
                 f"({stats.corpus.bad_records} bad records, "
                 f"{stats.corpus.empty_documents} empty documents)"
             )
-        with DatasetWriter(
-            config.store,
-            config.dataset,
-            tokenizer=tokenizer.info,
-            shuffle_seed=config.seed,
-            shard_tokens=config.shard_tokens,
-            overwrite=config.overwrite,
-            extra_files=extra,
-        ) as writer:
+        with (
+            _store_full_as_error(config, "shards", stats, text_bytes, tokenizer),
+            DatasetWriter(
+                config.store,
+                config.dataset,
+                tokenizer=tokenizer.info,
+                shuffle_seed=config.seed,
+                shard_tokens=config.shard_tokens,
+                overwrite=config.overwrite,
+                extra_files=extra,
+            ) as writer,
+        ):
             for b in range(buckets.n):
                 _gather_bucket(
                     buckets,
@@ -349,6 +378,37 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
     stats.seconds = time.perf_counter() - started
     assert (config.store / config.dataset / MANIFEST_NAME).is_file()
     return manifest
+
+
+@contextlib.contextmanager
+def _store_full_as_error(
+    config: PrepareConfig, what: str, stats: PrepareStats, text_bytes: int, tokenizer: Tokenizer
+) -> Iterator[None]:
+    """Turn a write refused for lack of space into StoreFull saying how much is needed.
+
+    The need: the scratch buckets and the shards each hold every token once, and the
+    shards are written while the buckets they come from still exist, so about twice the
+    tokens' size (the tokens are extrapolated from what was read so far).
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _NO_SPACE:
+            raise
+        read = stats.corpus.text_bytes
+        tokens = stats.tokens if not read else max(stats.tokens, stats.tokens * text_bytes // read)
+        token_bytes = tokens * tokenizer.dtype.itemsize
+        raise StoreFull(
+            f"store {config.store} ran out of space while writing {what} ({exc.strerror}): "
+            f"prepare needs about {_size(2 * token_bytes)} free there for this corpus "
+            f"(scratch buckets and shards, about {_size(token_bytes)} of tokens each; "
+            "with --overwrite also the old dataset until the new one replaces it); free "
+            "some space or pass a --store on a larger disk"
+        ) from exc
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{max(1, round(n / (1 << 20)))} MiB"
 
 
 def _scatter(

@@ -11,20 +11,31 @@ Spec strings (``--tokenizer``):
 
 Every tokenizer encodes a batch of texts into one flat array plus per-document lengths,
 the shape the pipeline moves between processes and into the writer.
+
+Big documents are encoded in pieces of at most ``max_chars`` characters, so memory does
+not grow with a document's size (the Rust side holds about a hundred bytes per token of
+whatever it encodes at once). For a byte-level BPE (``bpe:VOCAB``, and any tokenizer.json
+with the same ``ByteLevel`` pre-tokenizer and no normalizer) the cuts are exact: see
+:func:`split_text`. Other tokenizer files are encoded whole, whatever the size.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import json
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from tokenfeed.dtypes import DTYPES, dtype_for_vocab
 from tokenfeed.errors import PrepareError
-from tokenfeed.shards import TokenizerInfo, dtype_for_vocab
+from tokenfeed_server.store.manifest import TokenizerInfo
 
 __all__ = [
     "BPE_EOS",
@@ -33,8 +44,11 @@ __all__ = [
     "Tokenizer",
     "load_dataset_tokenizer",
     "parse_spec",
+    "split_text",
     "train_bpe",
 ]
+
+log = logging.getLogger(__name__)
 
 BPE_EOS = "<|endoftext|>"
 # Names a tokenizer.json may use for its end-of-document token, most specific first.
@@ -50,10 +64,16 @@ class Tokenizer:
     @property
     def dtype(self) -> np.dtype[Any]:
         """Numpy dtype of the store for this vocabulary."""
-        return np.dtype("<u2" if dtype_for_vocab(self.info.vocab_size) == "uint16" else "<u4")
+        return DTYPES[dtype_for_vocab(self.info.vocab_size)]
 
-    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Encode ``texts``: (all ids back to back, int64 length of each text's ids)."""
+    def encode_batch(
+        self, texts: Sequence[str], *, max_chars: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Encode ``texts``: (all ids back to back, int64 length of each text's ids).
+
+        ``max_chars`` bounds what is encoded at once (documents are cut where that is
+        exact); None encodes each text whole.
+        """
         raise NotImplementedError
 
     def decode(self, ids: npt.ArrayLike) -> str:
@@ -71,7 +91,10 @@ class ByteTokenizer(Tokenizer):
     def __init__(self) -> None:
         self.info = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
-    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch(
+        self, texts: Sequence[str], *, max_chars: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        # One byte per id: the UTF-8 bytes are the ids, no buffer beyond them to bound.
         encoded = [t.encode("utf-8") for t in texts]
         lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         ids = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(self.dtype)
@@ -99,6 +122,8 @@ class HFTokenizer(Tokenizer):
         # tokenizers) must stay text: only the writer may put EOS into the stream.
         self._tok.encode_special_tokens = True
         eos_id = _find_eos(self._tok, eos_token)
+        #: whether :func:`split_text`'s cuts leave the encoding unchanged for this tokenizer
+        self.cuts_exactly = _is_plain_byte_level(json_text)
         file_hash = "blake2b-128:" + hashlib.blake2b(json_text.encode(), digest_size=16).hexdigest()
         self.info = TokenizerInfo(
             kind=kind,
@@ -124,9 +149,41 @@ class HFTokenizer(Tokenizer):
             ) from exc
         return cls(text, kind=f"hf:{path.name}", eos_token=eos_token)
 
-    def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    def encode_batch(
+        self, texts: Sequence[str], *, max_chars: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if max_chars is None or not self.cuts_exactly:
+            return self._encode_whole(texts)
+        pieces: list[str] = []
+        owner: list[int] = []
+        for doc, text in enumerate(texts):
+            cut = split_text(text, max_chars)
+            pieces.extend(cut)
+            owner.extend([doc] * len(cut))
+        # Rust calls of about max_chars each: one call on a whole batch of big pieces
+        # would hold all their encodings at once.
+        ids_parts: list[np.ndarray] = []
+        piece_lengths: list[np.ndarray] = []
+        start = size = 0
+        for end, piece in enumerate(pieces, 1):
+            size += len(piece)
+            if size >= max_chars or end == len(pieces):
+                ids, lengths = self._encode_whole(pieces[start:end])
+                ids_parts.append(ids)
+                piece_lengths.append(lengths)
+                start, size = end, 0
+        lengths = np.bincount(
+            np.asarray(owner, dtype=np.int64),
+            weights=np.concatenate(piece_lengths) if piece_lengths else None,
+            minlength=len(texts),
+        ).astype(np.int64)
+        flat = np.concatenate(ids_parts) if ids_parts else np.empty(0, dtype=self.dtype)
+        return flat, lengths
+
+    def _encode_whole(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
         id_lists = [e.ids for e in encodings]
+        del encodings  # the Rust side's per-token data, several times the ids
         lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
         total = int(lengths.sum())
         flat = (i for ids in id_lists for i in ids)
@@ -139,6 +196,72 @@ class HFTokenizer(Tokenizer):
 
     def json(self) -> str | None:
         return self._json
+
+
+def _is_plain_byte_level(json_text: str) -> bool:
+    """True for the pre-tokenizer :func:`split_text` is proven exact for (see there)."""
+    config = json.loads(json_text)
+    pre = config.get("pre_tokenizer") or {}
+    return (
+        config.get("normalizer") is None
+        and pre.get("type") == "ByteLevel"
+        and pre.get("add_prefix_space") is False
+        and pre.get("use_regex", True) is True
+    )
+
+
+def split_text(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` into pieces of about ``max_chars`` characters, each cut just before a
+    space that follows a non-whitespace character.
+
+    Why such a cut is exact for the byte-level pre-tokenizer (GPT-2's pattern ``'s|'t|'re
+    |'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+``, no prefix
+    space): every alternative that matches a non-whitespace character holds whitespace
+    only as an optional *leading* space, so no pre-token spans a non-whitespace character
+    and the space after it: a pre-token ends at the cut. Matching is left to right and
+    looks ahead only, so the pre-tokens before the cut are the same in the first piece
+    and those from the cut on are the same in the second; BPE merges stay inside
+    pre-tokens, so the ids are the concatenation. ``str.isspace`` is a superset of the
+    regex's Unicode ``\\s``, so "non-whitespace" here is non-whitespace there too.
+
+    A stretch of more than ``4 * max_chars`` characters with no such space (one giant
+    pre-token, which no real text has) is cut hard so that memory stays bounded.
+    """
+    if len(text) <= max_chars:
+        return [text]
+    pieces: list[str] = []
+    start = 0
+    n = len(text)
+    while n - start > max_chars:
+        cut = _last_cut(text, start + 1, start + max_chars)
+        if cut < 0:
+            cut = _first_cut(text, start + max_chars, start + 4 * max_chars)
+        if cut < 0:
+            cut = start + max_chars
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def _last_cut(text: str, lo: int, hi: int) -> int:
+    """The last index in ``[lo, hi]`` of a space after a non-whitespace char, else -1."""
+    j = text.rfind(" ", lo, hi + 1)
+    while j >= lo:
+        if not text[j - 1].isspace():
+            return j
+        j = text.rfind(" ", lo, j)
+    return -1
+
+
+def _first_cut(text: str, lo: int, hi: int) -> int:
+    """The first index in ``[lo, hi]`` of a space after a non-whitespace char, else -1."""
+    j = text.find(" ", lo, hi + 1)
+    while j >= 0:
+        if not text[j - 1].isspace():
+            return j
+        j = text.find(" ", j + 1, hi + 1)
+    return -1
 
 
 def _rebuild_hf(json_text: str, kind: str, eos_token: str | None) -> HFTokenizer:
@@ -159,8 +282,20 @@ def _find_eos(tok: Any, eos_token: str | None) -> int:
     )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """Train a byte-level BPE on ``texts`` (streamed; memory grows with distinct words)."""
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    max_bytes: int | None = None,
+    progress: bool | None = None,
+) -> HFTokenizer:
+    """Train a byte-level BPE on ``texts``, at most their first ``max_bytes`` of UTF-8.
+
+    The texts are streamed, but the trainer's memory grows with the distinct words it has
+    seen and its time with the text, hence the cap (README: what training costs).
+    ``progress``: None shows the trainer's bars on a terminal and log lines otherwise,
+    False nothing.
+    """
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -175,10 +310,55 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
         vocab_size=vocab_size,
         special_tokens=[BPE_EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress is not False and sys.stderr.isatty(),
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    log_lines = progress is not False and not sys.stderr.isatty()
+    started = time.monotonic()
+    tok.train_from_iterator(
+        _training_text(texts, max_bytes, log_lines=log_lines, vocab_size=vocab_size),
+        trainer=trainer,
+    )
+    if log_lines:
+        log.info("bpe training: done in %.1f s", time.monotonic() - started)
     return HFTokenizer(tok.to_str(), kind=f"bpe:{vocab_size}", eos_token=BPE_EOS)
+
+
+_LOG_EVERY_S = 5.0
+# Pieces the trainer gets at once: exact cuts (split_text), so the word counts are those
+# of the whole texts, and a huge document is not pre-tokenized in one go.
+_TRAIN_PIECE_CHARS = 1 << 20
+
+
+def _training_text(
+    texts: Iterable[str], max_bytes: int | None, *, log_lines: bool, vocab_size: int
+) -> Iterator[str]:
+    """The first ``max_bytes`` of ``texts`` (the last text cut short), in pieces."""
+    taken = 0
+    last_log = time.monotonic()
+    cap = f"capped at {max_bytes / (1 << 20):.0f} MB" if max_bytes is not None else "no cap"
+    for text in texts:
+        for piece in split_text(text, _TRAIN_PIECE_CHARS):
+            data = piece.encode("utf-8")
+            if max_bytes is not None and taken + len(data) > max_bytes:
+                rest = data[: max_bytes - taken].decode("utf-8", errors="ignore")
+                if rest:
+                    yield rest
+                taken = max_bytes
+                break
+            taken += len(data)
+            yield piece
+            if log_lines and time.monotonic() - last_log >= _LOG_EVERY_S:
+                last_log = time.monotonic()
+                log.info("bpe training: read %.1f MB of text (%s)", taken / (1 << 20), cap)
+        if max_bytes is not None and taken >= max_bytes:
+            break
+    if log_lines:
+        log.info(
+            "bpe training: read %.1f MB of text (%s); computing %d merges",
+            taken / (1 << 20),
+            cap,
+            vocab_size,
+        )
 
 
 def parse_spec(spec: str) -> tuple[str, Any]:
