@@ -62,7 +62,7 @@ def make_store(root: Path, n_tokens: int, seed: int = 0) -> Path:
     store = root / f"zipf-{n_tokens}-s{seed}"
     if (store / "bench" / "manifest.json").exists():
         return store
-    from tokenfeed.shards import TokenizerInfo, write_dataset
+    from tokenfeed_server.store import TokenizerInfo, write_dataset
 
     rng = np.random.default_rng(seed)
     table = zipf_table()

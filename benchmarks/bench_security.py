@@ -23,8 +23,8 @@ import numpy as np
 
 from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.protocol import JobSpec
-from tokenfeed.shards import TokenizerInfo, write_dataset
 from tokenfeed_server.launch import ServerProcess
+from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 TOKEN = "bench-token-0123456789abcdef"
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
-from tokenfeed.shards import TokenizerInfo, open_dataset, write_dataset
 from tokenfeed_server.launch import ServerProcess
+from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
 
 SEQ, BATCH, STEPS = 2048, 8, 200
 

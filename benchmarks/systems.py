@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-HEADER = 64  # tokenfeed shard header size (see tokenfeed.shards docstring)
+HEADER = 64  # tokenfeed shard header size (see tokenfeed_server.store.format)
 
 
 def shard_region(store: str, dataset: str) -> tuple[Path, int]:

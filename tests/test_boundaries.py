@@ -20,7 +20,7 @@ def imported_after(code: str) -> set[str]:
 
 
 def test_import_tokenfeed_is_light() -> None:
-    mods = imported_after("import tokenfeed, tokenfeed.client, tokenfeed.plan, tokenfeed.shards")
+    mods = imported_after("import tokenfeed, tokenfeed.client, tokenfeed.plan, tokenfeed.dtypes")
     assert "torch" not in mods
     assert not {"fastapi", "uvicorn", "starlette"} & mods
 

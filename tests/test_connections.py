@@ -16,7 +16,7 @@ from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
 from tokenfeed.client import ClientOptions, FeedClient
 from tokenfeed.errors import UnknownDataset
 from tokenfeed.protocol import JobSpec
-from tokenfeed.shards import TokenizerInfo, write_dataset
+from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 pytestmark = pytest.mark.network
 

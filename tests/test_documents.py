@@ -10,7 +10,7 @@ import pytest
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed.documents import document_fields
-from tokenfeed.shards import TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
 
 EOS = 9
 

@@ -18,7 +18,7 @@ import torch
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed.dataset import unpack
-from tokenfeed.shards import TokenizerInfo, write_dataset
+from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 pytestmark = pytest.mark.network
 

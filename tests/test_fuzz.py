@@ -21,7 +21,7 @@ import zmq
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, protocol
 from tokenfeed.plan import Plan
-from tokenfeed.shards import TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
-from tokenfeed.shards import TokenizerInfo, write_dataset
 from tokenfeed_server.auth import token_digest
+from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

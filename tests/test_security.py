@@ -25,8 +25,8 @@ from tokenfeed.errors import (
     RequestRejected,
 )
 from tokenfeed.protocol import JobSpec
-from tokenfeed.shards import TokenizerInfo, write_dataset
 from tokenfeed_server.auth import token_digest
+from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 pytestmark = pytest.mark.network
 

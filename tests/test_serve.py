@@ -19,7 +19,7 @@ from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
 from tokenfeed.errors import RequestRejected, ServerUnavailable, UnknownDataset
 from tokenfeed.plan import Plan
-from tokenfeed.shards import TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
 
 pytestmark = pytest.mark.network
 

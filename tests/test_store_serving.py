@@ -11,7 +11,7 @@ import pytest
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset
 from tokenfeed.errors import DatasetChanged, UnknownDataset
-from tokenfeed.shards import TokenizerInfo, write_dataset
+from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 pytestmark = pytest.mark.network
 

@@ -119,7 +119,7 @@ def _add_inspect(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from tokenfeed.shards import open_dataset
+    from tokenfeed_server.store import open_dataset
 
     path: Path = args.path
     with open_dataset(path.parent, path.name) as ds:

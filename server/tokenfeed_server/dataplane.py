@@ -36,11 +36,10 @@ from tokenfeed.errors import (
 )
 from tokenfeed.plan import Plan
 from tokenfeed.protocol import JobSpec
-from tokenfeed.shards import Dataset
 from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.logbudget import LogBudget
-from tokenfeed_server.store import Store, assemble
+from tokenfeed_server.store import Dataset, Store, assemble
 
 log = logging.getLogger(__name__)
 

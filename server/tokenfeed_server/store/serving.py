@@ -1,10 +1,11 @@
-"""The data store: the datasets of one directory, opened once and shared by every job.
+"""The serving Store: the datasets of one directory, opened once and shared by every job.
 
-A dataset is validated when first opened (see :func:`tokenfeed.shards.open_dataset`); its
-memmaps are then shared by all jobs, so the page cache holds one copy whatever the number
-of trainers. A dataset replaced on disk (``prepare --overwrite``) is noticed by the
-identity of its manifest file and reopened for new jobs; running jobs keep the old maps
-and their clients see the fingerprint change when they reconnect.
+A dataset is validated when first opened (see
+:func:`~tokenfeed_server.store.reader.open_dataset`); it is then shared by all jobs, so
+the page cache holds one copy whatever the number of trainers. A dataset replaced on disk
+(``prepare --overwrite``) is noticed by the identity of its manifest file and reopened for
+new jobs; running jobs keep the old files and their clients see the fingerprint change
+when they reconnect.
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ import numpy as np
 
 from tokenfeed.errors import DatasetNotFound, StoreError
 from tokenfeed.plan import Plan
-from tokenfeed.shards import Dataset, list_datasets, open_dataset, validate_dataset_name
+from tokenfeed_server.store.reader import (
+    Dataset,
+    list_datasets,
+    open_dataset,
+    validate_dataset_name,
+)
 
 log = logging.getLogger(__name__)
 

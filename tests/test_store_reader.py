@@ -1,44 +1,23 @@
-"""The on-disk format: round trip, reads across shards, validation at open, atomic writes."""
+"""The reader: round trip, reads across shards, validation at open, names."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tokenfeed.errors import (
-    CorruptShard,
-    DatasetExists,
-    DatasetNotFound,
-    InvalidDatasetName,
-    ManifestError,
-    PrepareError,
-)
-from tokenfeed.shards import (
-    HEADER_SIZE,
-    TEMP_PREFIX,
-    Manifest,
+from shard_data import BYTE, random_docs, stream
+from tokenfeed.errors import CorruptShard, DatasetNotFound, InvalidDatasetName, ManifestError
+from tokenfeed_server.store import (
     TokenizerInfo,
-    clean_stale_temp_dirs,
     list_datasets,
     open_dataset,
     validate_dataset_name,
     write_dataset,
 )
-
-BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
-
-
-def _docs(n: int, seed: int = 0, vocab: int = 256) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=int(rng.integers(0, 40))) for _ in range(n)]
-
-
-def _stream(docs: list[np.ndarray], eos: int) -> np.ndarray:
-    return np.concatenate([np.append(d, eos) for d in docs])
+from tokenfeed_server.store.format import HEADER_SIZE
 
 
 @pytest.fixture
@@ -48,9 +27,9 @@ def store(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("shard_tokens", [1, 7, 100, 1 << 20])
 def test_round_trip_across_shard_boundaries(store: Path, shard_tokens: int) -> None:
-    docs = _docs(60)
+    docs = random_docs(60)
     m = write_dataset(store, "d", docs, tokenizer=BYTE, shuffle_seed=3, shard_tokens=shard_tokens)
-    ref = _stream(docs, 256)
+    ref = stream(docs, 256)
     with open_dataset(store, "d", verify_checksums=True) as ds:
         assert ds.dtype == np.dtype("<u2")
         assert (ds.n_tokens, ds.n_documents) == (len(ref), 60)
@@ -71,7 +50,7 @@ def test_round_trip_across_shard_boundaries(store: Path, shard_tokens: int) -> N
 
 
 def test_gather_into_out_and_bounds(store: Path) -> None:
-    write_dataset(store, "d", _docs(30), tokenizer=BYTE, shuffle_seed=0, shard_tokens=50)
+    write_dataset(store, "d", random_docs(30), tokenizer=BYTE, shuffle_seed=0, shard_tokens=50)
     ds = open_dataset(store, "d")
     out = np.zeros((3, 10), dtype=ds.dtype)
     assert ds.gather(np.array([0, 45, ds.n_tokens - 10]), 10, out=out) is out
@@ -89,50 +68,11 @@ def test_gather_into_out_and_bounds(store: Path) -> None:
 
 def test_uint32_for_large_vocab(store: Path) -> None:
     info = TokenizerInfo(kind="big", vocab_size=100_000, eos_id=99_999)
-    docs = _docs(10, vocab=99_999)
+    docs = random_docs(10, vocab=99_999)
     write_dataset(store, "big", docs, tokenizer=info, shuffle_seed=0)
     ds = open_dataset(store, "big", verify_checksums=True)
     assert ds.dtype == np.dtype("<u4")
-    np.testing.assert_array_equal(ds.read(0, ds.n_tokens), _stream(docs, 99_999))
-
-
-def test_out_of_vocab_tokens_rejected_and_nothing_left(store: Path) -> None:
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        write_dataset(store, "d", [np.array([1, 2, 300])], tokenizer=BYTE, shuffle_seed=0)
-    assert list_datasets(store) == []
-    assert os.listdir(store) == []
-
-
-def test_empty_dataset_rejected(store: Path) -> None:
-    with pytest.raises(PrepareError, match="empty"):
-        write_dataset(store, "d", [], tokenizer=BYTE, shuffle_seed=0)
-    assert os.listdir(store) == []
-
-
-def test_exists_and_overwrite(store: Path) -> None:
-    write_dataset(store, "d", _docs(5), tokenizer=BYTE, shuffle_seed=0)
-    old = open_dataset(store, "d")
-    old_view = old.read(0, old.n_tokens).copy()
-    with pytest.raises(DatasetExists, match="overwrite"):
-        write_dataset(store, "d", _docs(5, seed=9), tokenizer=BYTE, shuffle_seed=0)
-    write_dataset(store, "d", _docs(7, seed=9), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
-    new = open_dataset(store, "d")
-    assert new.n_documents == 7 and new.fingerprint != old.fingerprint
-    # A reader that had the old dataset open keeps reading the old data.
-    np.testing.assert_array_equal(old.read(0, old.n_tokens), old_view)
-    assert sorted(os.listdir(store)) == ["d"]
-
-
-def test_fingerprint_is_content_only(store: Path) -> None:
-    a = write_dataset(store, "a", _docs(5), tokenizer=BYTE, shuffle_seed=0)
-    b = write_dataset(store, "b", _docs(5), tokenizer=BYTE, shuffle_seed=0)
-    c = write_dataset(store, "c", _docs(5), tokenizer=BYTE, shuffle_seed=1)
-    assert Manifest.from_json(a.to_json()) == a
-    assert a.fingerprint != b.fingerprint  # the name is part of the content
-    assert Manifest.from_json(a.to_json().replace(a.created, "2000-01-01")).fingerprint == (
-        a.fingerprint
-    )
-    assert c.fingerprint != a.fingerprint
+    np.testing.assert_array_equal(ds.read(0, ds.n_tokens), stream(docs, 99_999))
 
 
 @pytest.mark.parametrize(
@@ -144,7 +84,7 @@ def test_invalid_dataset_names(store: Path, name: str) -> None:
     with pytest.raises(InvalidDatasetName):
         open_dataset(store, name)
     with pytest.raises(InvalidDatasetName):
-        write_dataset(store, name, _docs(1), tokenizer=BYTE, shuffle_seed=0)
+        write_dataset(store, name, random_docs(1), tokenizer=BYTE, shuffle_seed=0)
 
 
 def test_valid_names() -> None:
@@ -153,7 +93,7 @@ def test_valid_names() -> None:
 
 
 def test_missing_dataset(store: Path) -> None:
-    write_dataset(store, "there", _docs(2), tokenizer=BYTE, shuffle_seed=0)
+    write_dataset(store, "there", random_docs(2), tokenizer=BYTE, shuffle_seed=0)
     with pytest.raises(DatasetNotFound, match="there"):
         open_dataset(store, "nope")
 
@@ -163,7 +103,7 @@ def test_missing_dataset(store: Path) -> None:
 
 @pytest.fixture
 def two_shards(store: Path) -> Path:
-    write_dataset(store, "d", _docs(40), tokenizer=BYTE, shuffle_seed=0, shard_tokens=400)
+    write_dataset(store, "d", random_docs(40), tokenizer=BYTE, shuffle_seed=0, shard_tokens=400)
     return store / "d"
 
 
@@ -249,26 +189,3 @@ def test_missing_manifest_is_not_listed(store: Path, two_shards: Path) -> None:
     assert list_datasets(store) == []
     with pytest.raises(ManifestError, match="manifest"):
         open_dataset(store, "d")
-
-
-def test_list_ignores_temp_dirs_and_cleans_dead_ones(store: Path) -> None:
-    write_dataset(store, "real", _docs(2), tokenizer=BYTE, shuffle_seed=0)
-    dead = store / f"{TEMP_PREFIX}x-999999999-abcd"
-    live = store / f"{TEMP_PREFIX}y-{os.getpid()}-abcd"
-    for d in (dead, live):
-        d.mkdir()
-        (d / "manifest.json").write_text("{}")
-    assert list_datasets(store) == ["real"]
-    assert clean_stale_temp_dirs(store) == [dead]
-    assert live.exists() and not dead.exists()
-    assert list_datasets(tmp := store / "missing") == [] and not tmp.exists()
-
-
-def test_writer_large_array_fast_path(store: Path) -> None:
-    big = np.arange(3_000_000, dtype=np.int64) % 256
-    m = write_dataset(store, "big", [big, big[:10]], tokenizer=BYTE, shuffle_seed=0,
-                      shard_tokens=1 << 20)  # fmt: skip
-    ds = open_dataset(store, "big")
-    assert m.documents == 2 and len(m.shards) == 3
-    np.testing.assert_array_equal(ds.read(1_048_000, 1_049_000), big[1_048_000:1_049_000])
-    np.testing.assert_array_equal(ds.document_starts(0, ds.n_tokens), [0, 3_000_001])

@@ -1,0 +1,36 @@
+"""The data store: the on-disk dataset format, its reader and writer, and the serving Store.
+
+One module per job: :mod:`~tokenfeed_server.store.format` (layout and shard header),
+:mod:`~tokenfeed_server.store.manifest` (``manifest.json`` and the fingerprint),
+:mod:`~tokenfeed_server.store.reader` (open a dataset validated, list a store),
+:mod:`~tokenfeed_server.store.writer` (write a dataset atomically) and
+:mod:`~tokenfeed_server.store.serving` (the datasets a running server shares between jobs).
+"""
+
+from __future__ import annotations
+
+from tokenfeed_server.store.manifest import Manifest, ShardInfo, TokenizerInfo
+from tokenfeed_server.store.reader import (
+    Dataset,
+    list_datasets,
+    open_dataset,
+    validate_dataset_name,
+)
+from tokenfeed_server.store.serving import Store, assemble, summary
+from tokenfeed_server.store.writer import DatasetWriter, clean_stale_temp_dirs, write_dataset
+
+__all__ = [
+    "Dataset",
+    "DatasetWriter",
+    "Manifest",
+    "ShardInfo",
+    "Store",
+    "TokenizerInfo",
+    "assemble",
+    "clean_stale_temp_dirs",
+    "list_datasets",
+    "open_dataset",
+    "summary",
+    "validate_dataset_name",
+    "write_dataset",
+]

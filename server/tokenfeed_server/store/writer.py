@@ -1,0 +1,412 @@
+"""Write a dataset atomically: build it in a temp directory, publish it with one rename.
+
+Readers never see a half-written dataset: everything goes to ``<store>/.tmp-<name>-...``
+and appears under its name only once complete and fsynced. A replaced dataset is
+swapped out atomically where the kernel allows it, so a reader opens either version,
+never a mix. Temp directories left by writers that died are removed by
+:func:`clean_stale_temp_dirs`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import secrets
+import shutil
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import numpy.typing as npt
+
+from tokenfeed.dtypes import DTYPES, dtype_for_vocab
+from tokenfeed.errors import DatasetExists, PrepareError, StoreError
+from tokenfeed_server.store.format import (
+    CHECKSUM_ALGO,
+    DTYPE_CODES,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    MANIFEST_NAME,
+    TEMP_PREFIX,
+    ShardHeader,
+    index_offset,
+    is_plain_file_name,
+)
+from tokenfeed_server.store.manifest import Manifest, ShardInfo, TokenizerInfo
+from tokenfeed_server.store.reader import validate_dataset_name
+
+__all__ = [
+    "DatasetWriter",
+    "clean_stale_temp_dirs",
+    "make_temp_dir",
+    "write_dataset",
+]
+
+# add() batches small documents so the per-document cost is a list append, not numpy calls.
+_PENDING_TOKENS = 1 << 20
+
+
+def make_temp_dir(store: str | os.PathLike[str], label: str) -> Path:
+    """Create ``<store>/.tmp-<label>-<pid>-<random>``; the pid lets a later run spot orphans."""
+    root = Path(store)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{TEMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir()
+    return path
+
+
+def clean_stale_temp_dirs(store: str | os.PathLike[str]) -> list[Path]:
+    """Remove temp dirs left by writers that died (pid no longer alive on this host)."""
+    root = Path(store)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if not entry.name.startswith(TEMP_PREFIX) or not entry.is_dir():
+            continue
+        try:
+            pid = int(entry.name.rsplit("-", 2)[-2])
+        except (ValueError, IndexError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+class _ShardFile:
+    """One shard being written: body streamed and hashed, header written last."""
+
+    def __init__(self, path: Path, dtype: str) -> None:
+        self.path = path
+        self.dtype = dtype
+        self.tokens = 0
+        self.starts: list[np.ndarray] = []
+        self.hasher = hashlib.blake2b(digest_size=16)
+        self.file = path.open("wb")
+        self.file.write(b"\0" * HEADER_SIZE)
+
+    def write(self, tokens: np.ndarray, starts: np.ndarray) -> None:
+        data = np.ascontiguousarray(tokens).data.cast("B")
+        self.file.write(data)
+        self.hasher.update(data)
+        if len(starts):
+            self.starts.append(starts + self.tokens)
+        self.tokens += len(tokens)
+
+    def finish(self) -> ShardInfo:
+        itemsize = DTYPES[self.dtype].itemsize
+        body_end = index_offset(self.tokens, itemsize)
+        pad = body_end - HEADER_SIZE - self.tokens * itemsize
+        index = (
+            np.concatenate(self.starts).astype("<u8") if self.starts else np.empty(0, dtype="<u8")
+        )
+        tail = b"\0" * pad + index.tobytes()
+        self.file.write(tail)
+        self.hasher.update(tail)
+        header = ShardHeader(
+            MAGIC, FORMAT_VERSION, DTYPE_CODES[self.dtype], self.tokens, len(index), body_end
+        ).pack()
+        self.file.seek(0)
+        self.file.write(header)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return ShardInfo(
+            name=self.path.name,
+            tokens=self.tokens,
+            documents=len(index),
+            checksum=f"{CHECKSUM_ALGO}:{self.hasher.hexdigest()}",
+        )
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class DatasetWriter:
+    """Streams documents into a new dataset, atomically.
+
+    Everything goes to ``<store>/.tmp-<name>-...``; :meth:`commit` fsyncs and renames it
+    into place, :meth:`abort` (or leaving the ``with`` block by an exception) removes it.
+    Documents are given *without* EOS: the writer appends ``tokenizer.eos_id`` to each.
+    """
+
+    def __init__(
+        self,
+        store: str | os.PathLike[str],
+        name: str,
+        *,
+        tokenizer: TokenizerInfo,
+        shuffle_seed: int,
+        shard_tokens: int = 1 << 26,
+        overwrite: bool = False,
+        extra_files: Mapping[str, Path] | None = None,
+    ) -> None:
+        self.store = Path(store)
+        self.name = validate_dataset_name(name)
+        self.final_path = self.store / name
+        if shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+        self.tokenizer = tokenizer
+        self.shuffle_seed = int(shuffle_seed)
+        self.shard_tokens = int(shard_tokens)
+        self.overwrite = overwrite
+        self.extra_files = dict(extra_files or {})
+        for extra in self.extra_files:
+            if (
+                not is_plain_file_name(extra)
+                or extra == MANIFEST_NAME
+                or extra.startswith("shard-")
+            ):
+                raise ValueError(f"extra file name {extra!r} is not allowed")
+        self.dtype_name = dtype_for_vocab(tokenizer.vocab_size)
+        self.dtype = DTYPES[self.dtype_name]
+        self._check_exists()
+        self.tmp = make_temp_dir(self.store, name)
+        self._shards: list[ShardInfo] = []
+        self._current: _ShardFile | None = None
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+        self._documents = 0
+        self._done = False
+
+    def _check_exists(self) -> None:
+        if not self.overwrite and self.final_path.exists():
+            raise DatasetExists(
+                f"dataset {self.name!r} already exists in {self.store}; pass --overwrite "
+                "(overwrite=True) to replace it"
+            )
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._done:
+            self.abort()
+
+    def add(self, document: npt.ArrayLike) -> None:
+        """Append one document (a 1-D array of token ids, without EOS)."""
+        doc = np.asarray(document)
+        if doc.ndim != 1:
+            raise ValueError(f"a document must be a 1-D array, got shape {doc.shape}")
+        if doc.size == 0:
+            doc = doc.astype(self.dtype)  # [] arrives as float64
+        self._pending.append(doc)
+        self._pending_tokens += len(doc) + 1
+        if self._pending_tokens >= _PENDING_TOKENS:
+            self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        if not self._pending:
+            return
+        docs, self._pending, self._pending_tokens = self._pending, [], 0
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        tokens = np.concatenate(docs) if len(docs) > 1 else docs[0]
+        self.add_batch(tokens, lengths)
+
+    def add_batch(self, tokens: npt.ArrayLike, lengths: npt.ArrayLike) -> None:
+        """Append ``len(lengths)`` documents stored back to back in ``tokens`` (no EOS)."""
+        if self._done:
+            raise StoreError("the writer is already committed or aborted")
+        # Keep document order when add() and add_batch() are mixed.
+        self._flush_pending()
+        self._write_batch(np.asarray(tokens), np.asarray(lengths, dtype=np.int64))
+
+    def _write_batch(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        if tokens.ndim != 1 or lengths.ndim != 1:
+            raise ValueError("tokens and lengths must be 1-D arrays")
+        if len(lengths) == 0:
+            if len(tokens):
+                raise ValueError("tokens given without lengths")
+            return
+        if int(lengths.min()) < 0 or int(lengths.sum()) != len(tokens):
+            raise ValueError(
+                f"lengths sum to {int(lengths.sum())} but there are {len(tokens)} tokens"
+            )
+        tokens = self._as_store_dtype(tokens)
+        ends = np.cumsum(lengths)
+        with_eos = np.insert(tokens, ends, self.tokenizer.eos_id)
+        starts = ends - lengths + np.arange(len(lengths))
+        self._documents += len(lengths)
+        self._write_stream(with_eos, starts)
+
+    def _as_store_dtype(self, tokens: np.ndarray) -> np.ndarray:
+        if len(tokens) == 0:
+            return tokens.astype(self.dtype)
+        if tokens.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {tokens.dtype}")
+        full_range = self.tokenizer.vocab_size == 1 << (8 * self.dtype.itemsize)
+        if tokens.dtype == self.dtype and full_range:
+            return tokens
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.tokenizer.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})"
+            )
+        return tokens.astype(self.dtype, copy=False)
+
+    def _write_stream(self, tokens: np.ndarray, starts: np.ndarray) -> None:
+        """Append to the stream, cutting shards at exactly ``shard_tokens`` tokens."""
+        pos = 0
+        n = len(tokens)
+        while pos < n:
+            if self._current is None:
+                shard_path = self.tmp / f"shard-{len(self._shards):06d}.bin"
+                self._current = _ShardFile(shard_path, self.dtype_name)
+            take = min(self.shard_tokens - self._current.tokens, n - pos)
+            a = int(np.searchsorted(starts, pos, side="left"))
+            b = int(np.searchsorted(starts, pos + take, side="left"))
+            self._current.write(tokens[pos : pos + take], starts[a:b] - pos)
+            pos += take
+            if self._current.tokens >= self.shard_tokens:
+                self._shards.append(self._current.finish())
+                self._current = None
+
+    def commit(self) -> Manifest:
+        """Finish the last shard, write the manifest, fsync, and rename into place."""
+        self._flush_pending()
+        if self._current is not None:
+            self._shards.append(self._current.finish())
+            self._current = None
+        if not self._shards:
+            self.abort()
+            raise PrepareError(f"dataset {self.name!r} would be empty: no documents were given")
+        try:
+            for extra, source in self.extra_files.items():
+                shutil.copyfile(source, self.tmp / extra)
+                with (self.tmp / extra).open("rb") as f:
+                    os.fsync(f.fileno())
+            manifest = Manifest(
+                format_version=FORMAT_VERSION,
+                name=self.name,
+                dtype=self.dtype_name,
+                tokenizer=self.tokenizer,
+                total_tokens=sum(s.tokens for s in self._shards),
+                documents=self._documents,
+                shuffle_seed=self.shuffle_seed,
+                shards=tuple(self._shards),
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                extra_files=tuple(sorted(self.extra_files)),
+            )
+            with (self.tmp / MANIFEST_NAME).open("w", encoding="utf-8") as f:
+                f.write(manifest.to_json())
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(self.tmp)
+            self._publish()
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        return manifest
+
+    def _publish(self) -> None:
+        self._check_exists()
+        if not self.final_path.exists():
+            # rename() onto a missing path is atomic; a racing writer that got there first
+            # makes it fail (ENOTEMPTY/EEXIST) rather than be silently replaced.
+            try:
+                os.rename(self.tmp, self.final_path)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise DatasetExists(
+                        f"dataset {self.name!r} appeared in {self.store} while writing; "
+                        "pass --overwrite to replace it"
+                    ) from exc
+                raise
+        elif _exchange(self.tmp, self.final_path):
+            # The old dataset now sits in our temp dir: readers never see a gap.
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        else:
+            old = self.store / f"{TEMP_PREFIX}{self.name}-{os.getpid()}-old{secrets.token_hex(2)}"
+            os.rename(self.final_path, old)
+            os.rename(self.tmp, self.final_path)
+            shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(self.store)
+
+    def abort(self) -> None:
+        """Discard everything written so far (idempotent)."""
+        self._done = True
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+        self._pending.clear()
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_dataset(
+    store: str | os.PathLike[str],
+    name: str,
+    documents: Iterable[npt.ArrayLike],
+    *,
+    tokenizer: TokenizerInfo,
+    shuffle_seed: int,
+    shard_tokens: int = 1 << 26,
+    overwrite: bool = False,
+    extra_files: Mapping[str, Path] | None = None,
+) -> Manifest:
+    """Write ``documents`` (token arrays without EOS) as dataset ``name``, atomically.
+
+    The dtype is uint16 when ``tokenizer.vocab_size <= 65536``, else uint32. An existing
+    dataset raises DatasetExists unless ``overwrite``; then it is swapped out atomically.
+    On any exception nothing is left behind.
+    """
+    with DatasetWriter(
+        store,
+        name,
+        tokenizer=tokenizer,
+        shuffle_seed=shuffle_seed,
+        shard_tokens=shard_tokens,
+        overwrite=overwrite,
+        extra_files=extra_files,
+    ) as writer:
+        for document in documents:
+            writer.add(document)
+        return writer.commit()
