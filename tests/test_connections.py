@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Iterator
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -98,23 +97,8 @@ def test_hello_storm_cannot_grow_the_job_table(server: LiveServer) -> None:
     sock.connect(server.zmq)
     try:
         for seed in range(40):  # every seed is a new job; one connection holds one at a time
-            sock.send(
-                msgpack.packb(
-                    {
-                        "v": 1,
-                        "t": "hello",
-                        "dataset": "alpha",
-                        "seq_len": 64,
-                        "batch_size": 4,
-                        "seed": seed,
-                        "world_size": 1,
-                        "rank": 0,
-                        "worker": 0,
-                        "window": 2,
-                        "client": "storm",
-                    }
-                )
-            )
+            hello = protocol.Hello("alpha", 64, 4, seed, 1, 0, 0, window=2, client="storm")
+            sock.send(hello.header())
             assert sock.poll(5000)
             assert isinstance(protocol.decode_header(sock.recv()), protocol.Welcome)
         sock.send(protocol.Bye().header())  # frees the one connection slot

@@ -56,7 +56,7 @@ def server(store: Path, tmp_path: Path) -> Iterator[LiveServer]:
 def valid_headers() -> list[dict[str, Any]]:
     return [
         {
-            "v": 1,
+            "v": protocol.VERSION,
             "t": "hello",
             "dataset": "alpha",
             "seq_len": SEQ,
@@ -69,7 +69,7 @@ def valid_headers() -> list[dict[str, Any]]:
             "client": "fuzz",
         },
         {
-            "v": 1,
+            "v": protocol.VERSION,
             "t": "get",
             "req": 1,
             "job": "0123456789abcdef",
@@ -78,7 +78,7 @@ def valid_headers() -> list[dict[str, Any]]:
             "count": 1,
             "stride": 1,
         },
-        {"v": 1, "t": "ping"},
+        {"v": protocol.VERSION, "t": "ping"},
     ]
 
 

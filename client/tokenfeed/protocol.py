@@ -1,10 +1,12 @@
-"""Wire protocol v1: message types and the encoding of their frames.
+"""Wire protocol v2: message types, their fields, and the encoding of their frames.
 
 Every message is a multipart ZeroMQ message whose first frame is a small msgpack map
-with ``v`` (protocol version) and ``t`` (message type) plus the fields of that type.
-Token data never goes inside msgpack: a ``CHUNK`` carries it as raw little-endian frames
-after the header, so both ends can send and receive it without copying.
+with ``v`` (protocol version, :data:`VERSION`) and ``t`` (message type) plus the fields of
+that type. Token data never goes inside msgpack: a ``chunk`` carries it as raw
+little-endian frames after the header, so both ends send and receive it without copying.
 
+Messages
+--------
 =========  =========  ==============================================================
 type       direction  meaning
 =========  =========  ==============================================================
@@ -12,8 +14,8 @@ hello      c -> s     attach to a job (dataset + plan inputs), ask for a credit 
 welcome    s -> c     job id, server instance, dataset fingerprint and sizes, limits
 get        c -> s     idempotent: rank ``rank``'s rows of ``count`` global batches at
                       stream positions ``pos``, ``pos + stride*G``, ...
-chunk      s -> c     answer to one ``get``: header, tokens ``[rows, seq_len + 1]``,
-                      provenance ``int64 [2, rows]`` (window ids, epochs)
+chunk      s -> c     answer to one ``get``: header, tokens ``[rows, cols]``, then
+                      provenance ``int64 [len(provenance), rows]`` (one named row each)
 err        s -> c     a code from :data:`ERROR_CODES`, a message, whether to retry
 ping/pong  both       application-level liveness
 bye        c -> s     this connection is done: the server forgets it at once
@@ -22,32 +24,114 @@ bye        c -> s     this connection is done: the server forgets it at once
 A ``get`` names everything it wants, so the server keeps no cursor: any server
 instance can answer it at any time, and re-sending it after a reconnect is harmless.
 
-Decoding is strict: a header that is not a map, has the wrong version, misses a field or
-has a field of the wrong type or out of range raises :class:`~tokenfeed.errors.ProtocolError`
-with a message fit for an ``err`` reply. Sizes are checked *before* unpacking.
+Fields (``*``: optional, with the default shown; every other field is required)
+-------------------------------------------------------------------------------
+=======  ====================================================================================
+hello    dataset: str, seq_len: int, batch_size: int, seed: int, world_size: int, rank: int,
+         worker: int, window: int, client: str, fingerprint*: str = "" (when set, the
+         dataset the client expects: a server serving another build answers
+         ``dataset_changed`` saying both fingerprints)
+welcome  server: str, job: str, fingerprint: str, n_tokens: int, n_windows: int, dtype: str,
+         window: int, max_count: int, eos_id: int
+get      req: int, job: str, rank: int, pos: int, count: int, stride: int
+chunk    req: int, rows: int, cols: int, dtype: str, provenance: list[str] (names of the
+         provenance rows, in frame order; today ``window`` and ``epoch``)
+err      code: str, message: str, retry: bool, req: int (-1: answers no particular request)
+=======  ====================================================================================
+
+Values and bounds
+-----------------
+A field is an ``int`` (in ``[-1, 2**63)``; ``bool`` is not an int here), a ``str`` (at
+most 512 characters), a ``bool``, a list (``tuple[T, ...]``, at most
+:data:`MAX_ITEMS` items) or a map with string keys (``dict[str, T]``, at most
+:data:`MAX_ITEMS` entries) of those. Field types nest at most :data:`MAX_DEPTH` levels
+(checked for every message type at import). A header frame is at most
+:data:`MAX_HEADER_BYTES` (64 KiB: room for a list of a thousand 40-byte names, far under
+the server's 64 KiB ``max_message_bytes``). Sizes are checked *before* anything is
+unpacked: the frame length first, then msgpack's own per-container limits, so a hostile
+header never allocates more than its few kilobytes.
+
+Evolution
+---------
+* **Optional fields** carry a default. The encoder leaves a field out when it holds its
+  default, and the decoder fills the default in for a missing one. A field whose default
+  means "today's behaviour" can therefore be added without a version bump: an older peer
+  never sees it unless it is used.
+* **Unknown fields are refused**, naming them and saying the peer is newer. Ignoring one
+  would be silent wrong data: a server that skipped an ``fingerprint`` or a mixture
+  schedule it did not understand would serve data the trainer did not ask for. A refusal
+  says "upgrade"; silence trains on the wrong tokens.
+* **Provenance rows** are named: a receiver reads the rows it knows and ignores the
+  others (extra per-row metadata cannot change the tokens it gets), so a new row such
+  as a mixture's ``source`` is added without touching old clients.
+* **The version** changes only for a change old peers cannot be told about in a field:
+  each end refuses another version with a message that says to install matching versions
+  of ``tokenfeed`` and ``tokenfeed-server`` (a server answers an ``err``, a client raises).
+
+Decoding is strict: a header that is not a map, has the wrong version, misses a
+required field, has an unknown one, or a value of the wrong type or out of bounds raises
+:class:`~tokenfeed.errors.ProtocolError` with a message fit for an ``err`` reply.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 
+from tokenfeed.dtypes import DTYPES
 from tokenfeed.errors import ProtocolError
 
-VERSION = 1
+__all__ = [
+    "DTYPES",  # re-exported: the wire names token dtypes by its keys
+    "ERROR_CODES",
+    "MAX_DEPTH",
+    "MAX_HEADER_BYTES",
+    "MAX_ITEMS",
+    "MAX_PROVENANCE_ROWS",
+    "MAX_STR",
+    "ROW_EPOCH",
+    "ROW_WINDOW",
+    "VERSION",
+    "Bye",
+    "Chunk",
+    "Err",
+    "Get",
+    "Hello",
+    "JobSpec",
+    "Message",
+    "Ping",
+    "Pong",
+    "Welcome",
+    "chunk_frames",
+    "decode_chunk",
+    "decode_header",
+    "require_rows",
+]
 
-#: Largest header frame either end accepts; headers are a few dozen bytes.
-MAX_HEADER_BYTES = 4096
-#: Largest string field (dataset names, ids, messages).
-_MAX_STR = 512
-#: Integers on the wire are non-negative and fit int64 (stream positions are int64).
+VERSION = 2
+
+#: Largest header frame either end accepts (see "Values and bounds" above).
+MAX_HEADER_BYTES = 64 * 1024
+#: Largest string value (dataset names, ids, messages).
+MAX_STR = 512
+#: Most items of one list or entries of one map.
+MAX_ITEMS = 1024
+#: Deepest nesting of a field's type (``dict[str, tuple[int, ...]]`` is 2).
+MAX_DEPTH = 3
+#: Most named provenance rows one chunk may carry.
+MAX_PROVENANCE_ROWS = 16
+#: Integers on the wire are >= -1 and fit int64 (stream positions are int64).
 _MAX_INT = (1 << 63) - 1
+
+#: Provenance row names the server sends today.
+ROW_WINDOW = "window"
+ROW_EPOCH = "epoch"
 
 #: The fixed list of error codes an ``err`` may carry (see :mod:`tokenfeed.errors`).
 ERROR_CODES = frozenset(
@@ -55,21 +139,22 @@ ERROR_CODES = frozenset(
         "bad_request",  # malformed or over a limit: fix the request, do not retry
         "unknown_dataset",  # no such dataset in the store
         "unknown_job",  # the server does not know this job (it restarted): say hello again
-        "dataset_changed",  # the dataset was replaced under a running job
+        "dataset_changed",  # the dataset is another build than the one the job reads
         "auth_failed",
         "forbidden",
         "connection_limit",
         "overloaded",  # try again later
-        "internal",
+        "internal",  # a bug or an unreadable file on the server: see its log
     }
 )
-
-DTYPES: dict[str, np.dtype[Any]] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What a training run registers; every rank and worker of the run sends the same."""
+    """What a training run registers; every rank and worker of the run sends the same.
+
+    ``dataset`` is the dataset's *name* in the store, as everywhere on the wire.
+    """
 
     dataset: str
     seq_len: int
@@ -85,15 +170,24 @@ class Message:
     TYPE: ClassVar[str] = ""
 
     def header(self) -> bytes:
-        """Encode this message as its msgpack header frame."""
-        fields = {f: getattr(self, f) for f in _FIELDS[type(self)]}
-        packed: bytes = msgpack.packb({"v": VERSION, "t": self.TYPE, **fields})
+        """Encode this message as its msgpack header frame (optional defaults left out)."""
+        fields: dict[str, Any] = {"v": VERSION, "t": self.TYPE}
+        for name in _FIELDS[type(self)]:
+            value = getattr(self, name)
+            default = _DEFAULTS[type(self)].get(name, _REQUIRED)
+            if default is _REQUIRED or value != default:
+                fields[name] = value
+        packed: bytes = msgpack.packb(fields)
         return packed
 
 
 @dataclass(frozen=True)
 class Hello(Message):
-    """Attach to a job. Ranks and workers of one training run send the same job inputs."""
+    """Attach to a job. Ranks and workers of one training run send the same job inputs.
+
+    ``fingerprint``, when not empty, is the dataset build the client expects (from a
+    checkpoint or an earlier ``welcome``); the server refuses to serve another one.
+    """
 
     TYPE: ClassVar[str] = "hello"
     dataset: str
@@ -105,6 +199,7 @@ class Hello(Message):
     worker: int
     window: int
     client: str
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -138,13 +233,14 @@ class Get(Message):
 
 @dataclass(frozen=True)
 class Chunk(Message):
-    """Header of a data message; the token and provenance frames follow it."""
+    """Header of a data message; the token frame and the provenance frame follow it."""
 
     TYPE: ClassVar[str] = "chunk"
     req: int
     rows: int
     cols: int
     dtype: str
+    provenance: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -179,16 +275,41 @@ class Bye(Message):
     TYPE: ClassVar[str] = "bye"
 
 
+_REQUIRED = object()
 _TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, Welcome, Get, Chunk, Err, Ping, Pong, Bye)
 }
 _FIELDS: dict[type[Message], tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _TYPES.values()
 }
+_DEFAULTS: dict[type[Message], dict[str, Any]] = {
+    cls: {
+        f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING
+    }
+    for cls in _TYPES.values()
+}
 _HINTS: dict[type[Message], dict[str, Any]] = {
     cls: {name: typing.get_type_hints(cls)[name] for name in _FIELDS[cls]}
     for cls in _TYPES.values()
 }
+
+
+def _depth(hint: object) -> int:
+    """How deeply a field type nests (a scalar is 0); refuses types with no wire check."""
+    if hint in (int, str, bool):
+        return 0
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return 1 + _depth(args[0])
+    if origin is dict and len(args) == 2 and args[0] is str:
+        return 1 + _depth(args[1])
+    raise TypeError(f"no wire encoding for field type {hint!r}")
+
+
+for _cls, _hints in _HINTS.items():  # a message type the decoder cannot bound is a bug
+    for _name, _hint in _hints.items():
+        if _depth(_hint) > MAX_DEPTH:
+            raise TypeError(f"{_cls.TYPE}.{_name} nests deeper than MAX_DEPTH={MAX_DEPTH}")
 
 
 def decode_header(frame: bytes | memoryview) -> Message:
@@ -197,10 +318,18 @@ def decode_header(frame: bytes | memoryview) -> Message:
         raise ProtocolError(f"header frame of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         obj = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_str_len=_MAX_STR, max_bin_len=0
+            frame,
+            raw=False,
+            use_list=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=MAX_ITEMS,
+            max_map_len=MAX_ITEMS,
         )
     except Exception as exc:  # msgpack raises several unrelated types; map them here
-        raise ProtocolError(f"header frame is not valid msgpack: {exc}") from None
+        raise ProtocolError(f"header frame is not valid msgpack: {exc!r}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("header frame must be a msgpack map with 'v' and 't'")
     version = obj.pop("v", None)
@@ -213,58 +342,101 @@ def decode_header(frame: bytes | memoryview) -> Message:
     cls = _TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type; expected one of {sorted(_TYPES)}")
-    hints = _HINTS[cls]
-    if obj.keys() != hints.keys():
-        missing = sorted(hints.keys() - obj.keys())
-        extra = sorted(str(k) for k in obj.keys() - hints.keys())
-        raise ProtocolError(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
+    hints, defaults = _HINTS[cls], _DEFAULTS[cls]
+    extra = sorted(str(k) for k in obj.keys() - hints.keys())
+    if extra:
+        raise ProtocolError(
+            f"{cls.TYPE}: unexpected fields {extra}; the peer speaks a newer protocol "
+            "than this end: install matching versions of tokenfeed and tokenfeed-server"
+        )
+    missing = sorted(hints.keys() - obj.keys() - defaults.keys())
+    if missing:
+        raise ProtocolError(f"{cls.TYPE}: missing fields {missing}")
     for name, hint in hints.items():
-        _check_field(cls.TYPE, name, obj[name], hint)
+        if name in obj:
+            obj[name] = _check(f"{cls.TYPE}.{name}", obj[name], hint)
     return cls(**obj)
 
 
-def _check_field(kind: str, name: str, value: object, hint: object) -> None:
+def _check(where: str, value: object, hint: object) -> Any:
+    """``value`` if it has type ``hint`` within the bounds, else ProtocolError."""
     if hint is int:
         # bool is an int subclass; a JSON-ish client sending true for a count is a bug
         if type(value) is not int or not (-1 <= value <= _MAX_INT):
-            raise ProtocolError(f"{kind}.{name} must be an integer in [-1, 2**63), got {value!r}")
-    elif hint is str:
+            raise ProtocolError(f"{where} must be an integer in [-1, 2**63), got {value!r}")
+        return value
+    if hint is str:
         if not isinstance(value, str):
-            raise ProtocolError(f"{kind}.{name} must be a string, got {type(value).__name__}")
-    elif hint is bool:
+            raise ProtocolError(f"{where} must be a string, got {type(value).__name__}")
+        return value
+    if hint is bool:
         if not isinstance(value, bool):
-            raise ProtocolError(f"{kind}.{name} must be a boolean, got {type(value).__name__}")
-    else:  # pragma: no cover - a new field type without a check is a programming error
-        raise AssertionError(f"no wire check for {kind}.{name}: {hint!r}")
+            raise ProtocolError(f"{where} must be a boolean, got {type(value).__name__}")
+        return value
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, tuple):
+            raise ProtocolError(f"{where} must be a list, got {type(value).__name__}")
+        return tuple(_check(f"{where}[{i}]", item, args[0]) for i, item in enumerate(value))
+    if not isinstance(value, dict):  # _depth() admits only tuple and dict containers
+        raise ProtocolError(f"{where} must be a map, got {type(value).__name__}")
+    return {k: _check(f"{where}[{k!r}]", v, args[1]) for k, v in value.items()}
 
 
-def chunk_frames(
-    req: int, tokens: np.ndarray, window_ids: np.ndarray, epochs: np.ndarray
-) -> list[Any]:
-    """The frames of a ``chunk`` (header, tokens, provenance); arrays are sent zero-copy."""
+def chunk_frames(req: int, tokens: np.ndarray, provenance: Mapping[str, np.ndarray]) -> list[Any]:
+    """The frames of a ``chunk``: header, tokens, provenance rows; sent zero-copy.
+
+    ``provenance`` maps row names (:data:`ROW_WINDOW`, :data:`ROW_EPOCH`, ...) to one
+    integer per token row.
+    """
+    names = tuple(provenance)
     dtype = tokens.dtype.newbyteorder("<").name
-    header = Chunk(req=req, rows=tokens.shape[0], cols=tokens.shape[1], dtype=dtype).header()
-    provenance = np.stack([window_ids, epochs]).astype("<i8", copy=False)
-    return [header, np.ascontiguousarray(tokens), provenance]
+    header = Chunk(
+        req=req, rows=tokens.shape[0], cols=tokens.shape[1], dtype=dtype, provenance=names
+    ).header()
+    rows = np.stack([provenance[n] for n in names]).astype("<i8", copy=False)
+    return [header, np.ascontiguousarray(tokens), rows]
 
 
-def decode_chunk(header: Chunk, frames: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Wrap a chunk's payload frames (zero-copy) as (tokens, window_ids, epochs) arrays."""
+def decode_chunk(header: Chunk, frames: Sequence[Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Wrap a chunk's payload frames (zero-copy) as ``(tokens, {row name: int64 array})``.
+
+    Callers take the rows they know (:data:`ROW_WINDOW`, :data:`ROW_EPOCH`) and ignore
+    the others; :func:`require_rows` names the ones that must be there.
+    """
     if len(frames) != 2:
         raise ProtocolError(f"chunk must carry 2 payload frames, got {len(frames)}")
     dtype = DTYPES.get(header.dtype)
     if dtype is None:
         raise ProtocolError(f"chunk dtype {header.dtype!r} is not one of {sorted(DTYPES)}")
+    names = header.provenance
+    if len(names) > MAX_PROVENANCE_ROWS or len(set(names)) != len(names):
+        raise ProtocolError(
+            f"chunk provenance names must be distinct and at most {MAX_PROVENANCE_ROWS}, "
+            f"got {list(names)}"
+        )
     tokens_buf, meta_buf = (memoryview(f) for f in frames)
     if tokens_buf.nbytes != header.rows * header.cols * dtype.itemsize:
         raise ProtocolError(
             f"chunk token frame has {tokens_buf.nbytes} bytes, header says "
             f"{header.rows}x{header.cols} {header.dtype}"
         )
-    if meta_buf.nbytes != 2 * header.rows * 8:
+    if meta_buf.nbytes != len(names) * header.rows * 8:
         raise ProtocolError(
-            f"chunk provenance frame has {meta_buf.nbytes} bytes, expected {2 * header.rows * 8}"
+            f"chunk provenance frame has {meta_buf.nbytes} bytes, expected "
+            f"{len(names) * header.rows * 8} ({len(names)} rows of {header.rows} int64)"
         )
     tokens = np.frombuffer(tokens_buf, dtype=dtype).reshape(header.rows, header.cols)
-    meta = np.frombuffer(meta_buf, dtype="<i8").reshape(2, header.rows)
-    return tokens, meta[0], meta[1]
+    meta = np.frombuffer(meta_buf, dtype="<i8").reshape(len(names), header.rows)
+    return tokens, dict(zip(names, meta, strict=True))
+
+
+def require_rows(rows: Mapping[str, np.ndarray], *names: str) -> list[np.ndarray]:
+    """The provenance rows ``names`` in that order; ProtocolError naming any missing."""
+    missing = [n for n in names if n not in rows]
+    if missing:
+        raise ProtocolError(
+            f"chunk lacks provenance rows {missing} (has {sorted(rows)}); "
+            "install matching versions of tokenfeed and tokenfeed-server"
+        )
+    return [rows[n] for n in names]

@@ -2,14 +2,17 @@
 
 Each loop turn (1) drains what has arrived, validating every header and answering
 ``hello`` and ``ping`` at once while queueing ``get`` requests on their job, then (2)
-serves one round of deficit round robin over the jobs with queued requests: each job may
-send up to ``weight x chunk_bytes`` per round, so a job with eight workers and deep
-windows gets the same share as a job with one. Serving a request is a pure function of
-the request (see :func:`tokenfeed_server.store.assemble`), so the server holds no cursor
-and a restarted server answers re-sent requests exactly as the old one would have.
+serves one round of deficit round robin over the jobs with queued requests (see
+:mod:`tokenfeed_server.scheduler`): each job may send up to ``weight x chunk_bytes`` per
+round, so a job with eight workers and deep windows gets the same share as a job with
+one. Serving a request is a pure function of the request (see
+:func:`tokenfeed_server.store.assemble`), so the server holds no cursor and a restarted
+server answers re-sent requests exactly as the old one would have.
 
-Nothing here blocks on a client: sends use ``ROUTER_MANDATORY`` and ``NOBLOCK``, so a
-vanished or stalled peer only makes its own requests fail, and its state is dropped.
+Nothing here blocks on a client or on the file system: sends use ``ROUTER_MANDATORY``
+and ``NOBLOCK``, so a vanished or stalled peer only makes its own requests fail, and
+dataset look-ups are answered from the store's memory (a watcher thread notices
+replaced datasets).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from tokenfeed.protocol import JobSpec
 from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.logbudget import LogBudget
+from tokenfeed_server.scheduler import FairQueue, TokenBucket
 from tokenfeed_server.store import Dataset, Store, assemble
 
 log = logging.getLogger(__name__)
@@ -46,24 +50,38 @@ log = logging.getLogger(__name__)
 _DRAIN_MAX = 512  # messages read per turn before serving, so reads cannot starve sends
 _MAX_ROWS_PER_CHUNK = 8192  # rows are gathered one by one: bound the work of one request
 _MAX_WORKER = 1 << 16
+_MAX_POLL_MS = 100  # the loop looks at its stop flag and housekeeping at least this often
 _SNAPSHOT_EVERY_S = 0.5
 _RATE_WINDOW_S = 10.0
 
 
+class Refusal(Exception):
+    """A request the data plane answers with an ``err`` carrying this wire code.
+
+    ``quiet`` refusals are expected on a healthy system (a client's documented recovery
+    path) and are logged at debug level only.
+    """
+
+    def __init__(self, code: str, message: str, *, retry: bool = False, quiet: bool = False):
+        assert code in protocol.ERROR_CODES, code
+        super().__init__(message)
+        self.code, self.retry, self.quiet = code, retry, quiet
+
+
 @dataclass
 class Job:
-    """A training run as the server sees it: its plan, queue and counters."""
+    """A training run as the server sees it: its plan, the open dataset, its counters.
+
+    ``spec.dataset`` is the dataset's name; ``reader`` is the open dataset it reads.
+    """
 
     id: str
     spec: JobSpec
-    dataset: Dataset
+    reader: Dataset
     plan: Plan
     tenant: str
     weight: float = 1.0
     max_count: int = 1
-    queue: collections.deque[tuple[bytes, protocol.Get]] = field(default_factory=collections.deque)
-    deficit: float = 0.0
-    in_turn: bool = False
     batches: int = 0
     tokens: int = 0
     requests: int = 0
@@ -71,7 +89,9 @@ class Job:
     position: int = 0
     created: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
-    high_water: dict[tuple[int, int], int] = field(default_factory=dict)
+    # client name -> (rank -> highest position asked): a client re-asking at or below its
+    # own mark is re-sending (Lazy Pirate after silence or a restart)
+    high_water: dict[str, dict[int, int]] = field(default_factory=dict)
     rate_samples: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
 
 
@@ -113,7 +133,7 @@ class DataPlane:
         self._ctx = context or zmq.Context.instance()
         self._configure_socket = configure_socket
         self.tenants = tenants
-        self._bucket = _TokenBucket(config.max_tokens_per_s)
+        self._bucket = TokenBucket(config.max_tokens_per_s)
         self._stop = threading.Event()
         self._bound = threading.Event()
         self._thread: threading.Thread | None = None
@@ -123,8 +143,10 @@ class DataPlane:
         self.peers: dict[bytes, Peer] = {}
         # (tenant, client name) -> that client's current connection
         self._by_name: dict[tuple[str, str], bytes] = {}
-        self._queued = 0  # requests waiting in all job queues
-        self._rotation: collections.deque[str] = collections.deque()
+        # queued gets (connection, request) per job id
+        self._queue: FairQueue[str, tuple[bytes, protocol.Get]] = FairQueue(
+            float(max(1, config.chunk_bytes))
+        )
         self.counters: collections.Counter[str] = collections.Counter()
         self.snapshot: dict[str, Any] = {"jobs": [], "connections": 0, "counters": {}}
         self._last_snapshot = 0.0
@@ -192,10 +214,14 @@ class DataPlane:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                wait = self._bucket.wait_ms() if self._queued else 100
+                wait = _MAX_POLL_MS
+                if self._queue:  # wake when the egress cap lets the next chunk go
+                    wait = min(wait, int(self._bucket.wait_s() * 1000 + 0.999))
                 if poller.poll(wait):
                     self._drain(sock)
-                self._serve_round(sock)
+                self._queue.serve_round(
+                    lambda jid, item: self._serve(sock, jid, *item), self._bucket.ready
+                )
                 self._housekeeping()
         except Exception:  # pragma: no cover - a bug; keep the cause in the log
             log.exception("data plane crashed")
@@ -218,7 +244,9 @@ class DataPlane:
                 self._handle(sock, ident, tenant, frames[1:])
             except (ProtocolError, PlanError) as exc:
                 self._reject(sock, ident, "bad_request", str(exc))
-            except ServerError as exc:
+            except Refusal as exc:
+                self._reject(sock, ident, exc.code, str(exc), retry=exc.retry, quiet=exc.quiet)
+            except ServerError as exc:  # e.g. the tenants' refusals
                 self._reject(sock, ident, exc.code, str(exc), retry=exc.retry)
             except Exception:  # a bug must cost one request, never the server
                 if self._log_budget.take():
@@ -232,19 +260,41 @@ class DataPlane:
             raise ProtocolError(f"requests are exactly one header frame, got {len(frames)} frames")
         msg = protocol.decode_header(frames[0].buffer)
         if isinstance(msg, protocol.Get):
-            self._on_get(sock, ident, tenant, msg)
+            self._on_get(ident, tenant, msg)
         elif isinstance(msg, protocol.Hello):
             self._on_hello(sock, ident, tenant, msg)
         elif isinstance(msg, protocol.Ping):
             self._send(sock, ident, [protocol.Pong().header()])
         elif isinstance(msg, protocol.Bye):
-            self._forget_peer(ident)
+            self._forget_peer(ident, gone=True)
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r} messages")
+
+    # -- hello: authorize, resolve the job, register the peer ------------------------
 
     def _on_hello(
         self, sock: zmq.Socket[bytes], ident: bytes, tenant: str, msg: protocol.Hello
     ) -> None:
+        window = self._authorize(ident, tenant, msg)
+        job = self._resolve_job(tenant, msg)
+        self._register_peer(ident, tenant, msg, job, window)
+        manifest = job.reader.manifest
+        welcome = protocol.Welcome(
+            server=self.instance,
+            job=job.id,
+            fingerprint=job.reader.fingerprint,
+            n_tokens=job.reader.n_tokens,
+            n_windows=job.plan.n_windows,
+            dtype=manifest.dtype,
+            window=window,
+            max_count=job.max_count,
+            eos_id=manifest.tokenizer.eos_id,
+        )
+        self._send(sock, ident, [welcome.header()])
+
+    def _authorize(self, ident: bytes, tenant: str, msg: protocol.Hello) -> int:
+        """Check the tenant may read the dataset, the request fits the limits, and a
+        connection slot is free; return the granted credit window."""
         limits = self.config.limits
         if self.tenants is not None:
             denied = self.tenants.authorize(tenant, msg.dataset)
@@ -252,10 +302,8 @@ class DataPlane:
                 raise denied
         if msg.window < 1:
             raise ProtocolError(f"window must be >= 1, got {msg.window}")
-        # The credit window is negotiated: the server grants at most its max_window.
-        window = min(msg.window, limits.max_window)
         if msg.batch_size * (msg.seq_len + 1) > limits.max_batch_tokens:
-            raise ServerError.from_code(
+            raise Refusal(
                 "bad_request",
                 f"a batch of {msg.batch_size} x {msg.seq_len + 1} tokens exceeds "
                 f"max_batch_tokens={limits.max_batch_tokens}; lower batch_size or seq_len",
@@ -271,55 +319,65 @@ class DataPlane:
             self._forget_peer(previous)
         if ident not in self.peers:
             self._check_connection_caps(tenant)
+        # The credit window is negotiated: the server grants at most its max_window.
+        return min(msg.window, limits.max_window)
+
+    def _resolve_job(self, tenant: str, msg: protocol.Hello) -> Job:
+        """The job these inputs name, created on first sight; its dataset from memory."""
         ds = self._dataset(tenant, msg.dataset)
+        if msg.fingerprint and msg.fingerprint != ds.fingerprint:
+            raise Refusal(
+                "dataset_changed",
+                f"dataset {msg.dataset!r} on this server is build {ds.fingerprint}, but this "
+                f"job expects build {msg.fingerprint} (it was rebuilt since, e.g. by prepare "
+                "--overwrite): continuing would train on different data. Restore that build, "
+                "or start over on purpose from a fresh state (no checkpointed loader state)",
+            )
         spec = JobSpec(msg.dataset, msg.seq_len, msg.batch_size, msg.seed, msg.world_size)
         jid = job_id(spec, ds.fingerprint, tenant)
         job = self.jobs.get(jid)
-        if job is None:
-            plan = Plan(
-                n_tokens=ds.n_tokens,
-                seq_len=msg.seq_len,
-                batch_size=msg.batch_size,
-                world_size=msg.world_size,
-                seed=msg.seed,
+        if job is not None:
+            return job
+        plan = Plan(
+            n_tokens=ds.n_tokens,
+            seq_len=msg.seq_len,
+            batch_size=msg.batch_size,
+            world_size=msg.world_size,
+            seed=msg.seed,
+        )
+        limits = self.config.limits
+        # batches per chunk: about chunk_bytes, never over max_chunk_bytes, at least 1
+        batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
+        if batch_bytes > limits.max_chunk_bytes:
+            raise Refusal(
+                "bad_request",
+                f"one batch is {batch_bytes} bytes, over max_chunk_bytes="
+                f"{limits.max_chunk_bytes}; lower batch_size or seq_len",
             )
-            weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
-            # batches per chunk: about chunk_bytes, never over max_chunk_bytes, at least 1
-            batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
-            if batch_bytes > limits.max_chunk_bytes:
-                raise ServerError.from_code(
-                    "bad_request",
-                    f"one batch is {batch_bytes} bytes, over max_chunk_bytes="
-                    f"{limits.max_chunk_bytes}; lower batch_size or seq_len",
-                )
-            chunk = min(self.config.chunk_bytes, limits.max_chunk_bytes)
-            max_count = min(chunk // batch_bytes, _MAX_ROWS_PER_CHUNK // msg.batch_size)
-            self._make_room_for_a_job()
-            job = Job(jid, spec, ds, plan, tenant, weight=weight, max_count=max(1, max_count))
-            self.jobs[jid] = job
-            self._rotation.append(jid)
-            if self._log_budget.take():
-                log.info("job %s: %s (tenant %s)", jid, spec, tenant)
+        chunk = min(self.config.chunk_bytes, limits.max_chunk_bytes)
+        max_count = min(chunk // batch_bytes, _MAX_ROWS_PER_CHUNK // msg.batch_size)
+        self._make_room_for_a_job()
+        weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
+        job = Job(jid, spec, ds, plan, tenant, weight=weight, max_count=max(1, max_count))
+        self.jobs[jid] = job
+        self._queue.add(jid, weight)
+        if self._log_budget.take():
+            log.info("job %s: %s (tenant %s)", jid, spec, tenant)
+        return job
+
+    def _register_peer(
+        self, ident: bytes, tenant: str, msg: protocol.Hello, job: Job, window: int
+    ) -> Peer:
+        """Attach connection ``ident`` to ``job`` (moving it off another job if need be)."""
         old = self.peers.get(ident)
-        if old is not None and old.job != jid:
+        if old is not None and old.job != job.id:
             self._forget_peer(ident)
             old = None
-        peer = old or Peer(msg.client, jid, msg.rank, msg.worker, tenant, window)
+        peer = old or Peer(msg.client, job.id, msg.rank, msg.worker, tenant, window)
         peer.window, peer.last_seen = window, time.monotonic()
         self.peers[ident] = peer
         self._by_name[(tenant, msg.client)] = ident
-        welcome = protocol.Welcome(
-            server=self.instance,
-            job=jid,
-            fingerprint=ds.fingerprint,
-            n_tokens=ds.n_tokens,
-            n_windows=job.plan.n_windows,
-            dtype=ds.manifest.dtype,
-            window=window,
-            max_count=job.max_count,
-            eos_id=ds.manifest.tokenizer.eos_id,
-        )
-        self._send(sock, ident, [welcome.header()])
+        return peer
 
     def _dataset(self, tenant: str, name: str) -> Dataset:
         try:
@@ -331,14 +389,14 @@ class DataPlane:
                 for n in self.store.names()
                 if self.tenants is None or self.tenants.authorize(tenant, n) is None
             ]
-            raise ServerError.from_code(
+            raise Refusal(
                 "unknown_dataset",
                 f"no dataset {name!r} on this server; available: {', '.join(names) or 'none'}",
             ) from None
         except StoreError as exc:
             if self._log_budget.take():
                 log.error("dataset %s cannot be served: %s", name, exc)
-            raise ServerError.from_code(
+            raise Refusal(
                 "unknown_dataset",
                 f"dataset {name!r} is damaged on the server and cannot be served; "
                 "the operator should check the server log and rebuild it",
@@ -351,51 +409,59 @@ class DataPlane:
         # Forget the longest-idle jobs that no connection is attached to.
         attached = {p.job for p in self.peers.values()}
         idle = sorted(
-            (j for j in self.jobs.values() if j.id not in attached and not j.queue),
+            (
+                j
+                for j in self.jobs.values()
+                if j.id not in attached and not self._queue.queued(j.id)
+            ),
             key=lambda j: j.last_active,
         )
         for job in idle[: len(self.jobs) - cap + 1]:
-            del self.jobs[job.id]
-            self._rotation.remove(job.id)
+            self._drop_job(job.id)
         if len(self.jobs) >= cap:
-            raise ServerError.from_code(
+            raise Refusal(
                 "connection_limit",
                 f"the server runs max_jobs={cap} active jobs; try again later or ask the "
                 "operator to raise the limit",
                 retry=True,
             )
 
+    def _drop_job(self, jid: str) -> None:
+        del self.jobs[jid]
+        self._queue.remove(jid)
+
     def _check_connection_caps(self, tenant: str) -> None:
         limits = self.config.limits
         if len(self.peers) >= limits.max_connections:
-            raise ServerError.from_code(
+            raise Refusal(
                 "connection_limit",
                 f"the server has max_connections={limits.max_connections} attached; "
                 "try again later or ask the operator to raise the limit",
-                retry=False,
             )
         mine = sum(1 for p in self.peers.values() if p.tenant == tenant)
         own = self.tenants.max_connections(tenant) if self.tenants is not None else None
         cap = own or limits.max_connections_per_tenant
         if mine >= cap:
-            raise ServerError.from_code(
+            raise Refusal(
                 "connection_limit",
                 f"tenant {tenant!r} already has {mine} connections (its cap is {cap}); "
                 "use fewer DataLoader workers or ranks, or ask the operator for more",
             )
 
-    def _on_get(
-        self, sock: zmq.Socket[bytes], ident: bytes, tenant: str, msg: protocol.Get
-    ) -> None:
+    # -- get -------------------------------------------------------------------------
+
+    def _on_get(self, ident: bytes, tenant: str, msg: protocol.Get) -> None:
         peer = self.peers.get(ident)
         job = self.jobs.get(msg.job)
         if peer is None or job is None or peer.job != msg.job or peer.tenant != tenant:
             # After a server restart the client's job is unknown here: it says hello again
-            # and re-sends; the answer will be identical because requests are pure.
-            raise ServerError.from_code(
+            # and re-sends; the answer will be identical because requests are pure. This is
+            # the documented recovery path, not a fault: quiet, and counted under its code.
+            raise Refusal(
                 "unknown_job",
                 f"job {msg.job!r} is not attached on this connection; send hello first",
                 retry=True,
+                quiet=True,
             )
         peer.last_seen = time.monotonic()
         if not 0 <= msg.rank < job.spec.world_size:
@@ -405,7 +471,7 @@ class DataPlane:
         if msg.stride < 1 or msg.pos < 0:
             raise ProtocolError("pos must be >= 0 and stride >= 1")
         if peer.queued >= peer.window:
-            raise ServerError.from_code(
+            raise Refusal(
                 "bad_request",
                 f"more than window={peer.window} requests outstanding on one connection; "
                 "wait for a chunk before sending another get",
@@ -414,48 +480,26 @@ class DataPlane:
         if last + job.plan.global_batch >= 1 << 62:
             raise ProtocolError("stream position would overflow int64")
         peer.queued += 1
-        self._queued += 1
         job.requests += 1
         job.last_active = time.monotonic()
-        key = (msg.rank, peer.worker)
-        if msg.pos <= job.high_water.get(key, -1):
+        marks = job.high_water.setdefault(peer.name, {})
+        if msg.pos <= marks.get(msg.rank, -1):
             job.retransmits += 1
-        job.high_water[key] = max(job.high_water.get(key, -1), msg.pos)
-        job.queue.append((ident, msg))
+        marks[msg.rank] = max(marks.get(msg.rank, -1), msg.pos)
+        self._queue.push(job.id, (ident, msg))
 
     # -- serving ---------------------------------------------------------------------
 
-    def _serve_round(self, sock: zmq.Socket[bytes]) -> None:
-        quantum = float(self.config.chunk_bytes)
-        for _ in range(len(self._rotation)):
-            jid = self._rotation[0]
-            job = self.jobs.get(jid)
-            if job is not None and job.queue:
-                if not job.in_turn:  # a turn paused by the egress cap keeps its quantum
-                    job.deficit += quantum * job.weight
-                    job.in_turn = True
-                while job.queue and job.deficit > 0:
-                    if not self._bucket.ready():
-                        return  # the same job resumes its turn when tokens refill
-                    ident, req = job.queue.popleft()
-                    self._queued -= 1
-                    sent = self._serve(sock, job, ident, req)
-                    job.deficit -= sent
-                    self._bucket.spend(sent // job.dataset.dtype.itemsize)
-                job.in_turn = False
-            elif job is not None:
-                job.deficit = 0.0  # idle jobs bank no credit (deficit round robin)
-                job.in_turn = False
-            self._rotation.rotate(-1)
-
-    def _serve(self, sock: zmq.Socket[bytes], job: Job, ident: bytes, req: protocol.Get) -> int:
+    def _serve(self, sock: zmq.Socket[bytes], jid: str, ident: bytes, req: protocol.Get) -> int:
+        """Answer one queued get; return the bytes sent (its cost in the fair queue)."""
         peer = self.peers.get(ident)
+        job = self.jobs[jid]
         if peer is None:
             return 0  # the peer was dropped while this waited: nothing to send
         peer.queued -= 1
         try:
             tokens, window_ids, epochs = assemble(
-                job.dataset, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
+                job.reader, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
             )
         except Exception:  # e.g. a shard file truncated under a running server
             if self._log_budget.take():
@@ -468,7 +512,8 @@ class DataPlane:
             )
             self._send(sock, ident, [err.header()])
             return 0
-        if not self._send(sock, ident, protocol.chunk_frames(req.req, tokens, window_ids, epochs)):
+        rows = {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs}
+        if not self._send(sock, ident, protocol.chunk_frames(req.req, tokens, rows)):
             return 0
         job.batches += req.count
         job.tokens += tokens.size
@@ -476,6 +521,7 @@ class DataPlane:
         job.position = max(job.position, end + job.plan.global_batch)
         self.counters["chunks"] += 1
         self.counters["bytes_sent"] += tokens.nbytes
+        self._bucket.spend(tokens.size)
         return int(tokens.nbytes)
 
     def _send(self, sock: zmq.Socket[bytes], ident: bytes, frames: list[Any]) -> bool:
@@ -490,25 +536,38 @@ class DataPlane:
         return True
 
     def _reject(
-        self, sock: zmq.Socket[bytes], ident: bytes, code: str, message: str, *, retry: bool = False
+        self,
+        sock: zmq.Socket[bytes],
+        ident: bytes,
+        code: str,
+        message: str,
+        *,
+        retry: bool = False,
+        quiet: bool = False,
     ) -> None:
         self.counters[f"err_{code}"] += 1
-        if self._log_budget.take():
+        if quiet:
+            log.debug("answered %s from %s: %s", code, ident.hex()[:16], message)
+        elif self._log_budget.take():
             log.warning("refused a request from %s: %s: %s", ident.hex()[:16], code, message)
         err = protocol.Err(code=code, message=message, retry=retry, req=-1)
         self._send(sock, ident, [err.header()])
 
-    def _forget_peer(self, ident: bytes) -> None:
+    def _forget_peer(self, ident: bytes, *, gone: bool = False) -> None:
+        """Drop connection ``ident`` and its queued gets. ``gone``: the client itself is
+        done (bye, timeout), not just this socket, so its re-send marks go too."""
         peer = self.peers.pop(ident, None)
         if peer is None:
             return
         if self._by_name.get((peer.tenant, peer.name)) == ident:
             del self._by_name[(peer.tenant, peer.name)]
         job = self.jobs.get(peer.job)
-        if job is not None and peer.queued:
-            kept = collections.deque((i, r) for i, r in job.queue if i != ident)
-            self._queued -= len(job.queue) - len(kept)
-            job.queue = kept
+        if job is None:
+            return
+        if gone:
+            job.high_water.pop(peer.name, None)
+        if peer.queued:
+            self._queue.discard(job.id, lambda item: item[0] == ident)
 
     # -- bookkeeping -----------------------------------------------------------------
 
@@ -519,16 +578,15 @@ class DataPlane:
         self._last_snapshot = now
         for ident, peer in list(self.peers.items()):
             if now - peer.last_seen > self.config.peer_timeout_s:
-                self._forget_peer(ident)
+                self._forget_peer(ident, gone=True)
         attached = collections.Counter(p.job for p in self.peers.values())
         for jid, job in list(self.jobs.items()):
             if (
                 not attached[jid]
-                and not job.queue
-                and now - job.last_active > (self.config.job_ttl_s)
+                and not self._queue.queued(jid)
+                and now - job.last_active > self.config.job_ttl_s
             ):
-                del self.jobs[jid]
-                self._rotation.remove(jid)
+                self._drop_job(jid)
         self.snapshot = self._make_snapshot(now, attached)
 
     def _make_snapshot(self, now: float, attached: collections.Counter[str]) -> dict[str, Any]:
@@ -557,7 +615,7 @@ class DataPlane:
                     "position": job.position,
                     "epoch": job.position // job.plan.n_windows,
                     "retransmits": job.retransmits,
-                    "queued": len(job.queue),
+                    "queued": self._queue.queued(job.id),
                     "created": job.created,
                 }
             )
@@ -577,31 +635,3 @@ def _tenant_of(frame: zmq.Frame) -> str:
     except zmq.ZMQError:
         return "anonymous"
     return str(user) if user else "anonymous"
-
-
-class _TokenBucket:
-    """Egress cap in tokens per second (0: none); allows bursts of a tenth of a second."""
-
-    def __init__(self, rate: int) -> None:
-        self.rate = rate
-        self.level = rate / 10
-        self.stamp = time.monotonic()
-
-    def _refill(self) -> None:
-        now = time.monotonic()
-        self.level = min(self.rate / 10, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
-
-    def ready(self) -> bool:
-        if not self.rate:
-            return True
-        self._refill()
-        return self.level > 0
-
-    def spend(self, tokens: int) -> None:
-        self.level -= tokens
-
-    def wait_ms(self) -> int:
-        if not self.rate or self.ready():
-            return 0
-        return max(1, int(-self.level / self.rate * 1000) + 1)
