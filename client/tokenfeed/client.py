@@ -1,21 +1,31 @@
 """The trainer's end of the wire: one DEALER socket per process, credits, retries.
 
 :class:`FeedClient` attaches to a job with ``hello``, then turns a stream of requests
-into a stream of chunks, in request order, keeping at most ``window`` requests in flight
-(credit-based flow control: the server never sends unasked, so memory on both ends is
-bounded by window x chunk).
+into a stream of :class:`Answer` objects, in request order, keeping at most ``window``
+requests in flight (credit-based flow control: the server never sends unasked, so memory
+on both ends is bounded by window x chunk). The bookkeeping of that window (what to ask,
+what to re-ask, cutting requests to the server's limit) lives without a socket in
+:mod:`tokenfeed.window`; this module moves the messages.
 
 Liveness follows the ZeroMQ guide's Lazy Pirate pattern: when nothing arrives for
 ``request_timeout`` seconds, the client closes its socket, opens a new one, says hello
 again and re-sends every request still outstanding. Requests are pure functions of their
-fields, so re-sending loses and duplicates nothing, even if the server restarted. When no
-progress is made for ``deadline`` seconds the client raises
+fields, so re-sending loses and duplicates nothing, even if the server restarted. A
+retryable refusal (a server at its job or connection cap, overload) is retried after an
+exponential backoff with jitter (:mod:`tokenfeed.retry`), never at once. After
+``warn_after`` seconds without an answer the client logs a warning on the ``tokenfeed``
+logger; when no progress is made for ``deadline`` seconds it raises the last refusal
+(e.g. :class:`~tokenfeed.errors.ConnectionLimit`) or
 :class:`~tokenfeed.errors.ServerUnavailable` naming the endpoint.
+
+The client checks what the server says: a ``welcome`` with impossible values raises
+:class:`~tokenfeed.errors.ProtocolError`, and a dataset build other than the expected one
+(``fingerprint``: from a checkpoint, or the first ``welcome``) raises
+:class:`~tokenfeed.errors.DatasetChanged`.
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import itertools
 import logging
@@ -23,7 +33,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,16 +42,30 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from tokenfeed import protocol
+from tokenfeed.endpoint import check_endpoint
 from tokenfeed.errors import (
     AuthenticationFailed,
+    ConfigError,
     DatasetChanged,
     ProtocolError,
     ServerError,
     ServerUnavailable,
 )
 from tokenfeed.protocol import JobSpec
+from tokenfeed.retry import Backoff
+from tokenfeed.window import Request, RequestWindow, pack_requests
 
-log = logging.getLogger(__name__)
+__all__ = [
+    "Answer",
+    "ClientOptions",
+    "FeedClient",
+    "Request",
+    "curve_keypair_from_token",
+    "pack_requests",
+]
+
+# One logger for the whole client package, so one line of logging config reaches it all.
+log = logging.getLogger("tokenfeed")
 
 _HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH
@@ -51,17 +75,9 @@ _HANDSHAKE_FAILURES = (
 
 
 @dataclass(frozen=True)
-class Request:
-    """``count`` global batches at stream positions ``pos + i * stride * G``."""
-
-    pos: int
-    count: int
-    stride: int = 1
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One answered request: rank rows ``[count * B, L + 1]`` with their provenance."""
+class Answer:
+    """The rows that answer one :class:`Request`: this rank's ``[count * B, L + 1]``
+    tokens with their provenance (global window index and epoch of each row)."""
 
     request: Request
     tokens: np.ndarray
@@ -78,8 +94,20 @@ class ClientOptions:
     chunk_bytes: int = 1 << 20
     request_timeout: float = 10.0
     deadline: float = 120.0
-    token: str | None = None
+    #: log a warning after this many seconds without an answer (then keep trying)
+    warn_after: float = 5.0
+    token: str | None = field(default=None, repr=False)  # a secret: never in a repr or log
     server_public_key: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("window", 1), ("chunk_bytes", 1)):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("request_timeout", "deadline", "warn_after"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
 
 
 def curve_keypair_from_token(token: str) -> tuple[bytes, bytes]:
@@ -94,8 +122,22 @@ def curve_keypair_from_token(token: str) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret), secret
 
 
+Received = tuple[protocol.Message, list[Any]]
+"""A decoded header and the payload frames that came with it (empty but for chunks)."""
+
+
 class FeedClient:
-    """A connection to a tokenfeed server for one rank and one worker of a job."""
+    """A connection to a tokenfeed server for one rank and one worker of a job.
+
+    Args:
+        endpoint: ``tcp://host:port`` (checked here: a malformed one raises ConfigError).
+        job: the plan inputs every rank and worker of the run sends.
+        rank, worker: who this client is within the job.
+        options: timeouts, window and credentials.
+        fingerprint: the dataset build this client must read (from a checkpoint), or
+            None to take the build of the first ``welcome``; a server with another build
+            is refused with :class:`~tokenfeed.errors.DatasetChanged`.
+    """
 
     def __init__(
         self,
@@ -105,16 +147,20 @@ class FeedClient:
         rank: int,
         worker: int,
         options: ClientOptions | None = None,
+        fingerprint: str | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        # Checked before any socket exists: nothing to clean up when it is wrong.
+        self.endpoint = check_endpoint(endpoint)
         self.job = job
         self.rank = rank
         self.worker = worker
         self.options = options or ClientOptions()
         self.welcome: protocol.Welcome | None = None
+        #: the dataset build this client reads; None until the first welcome
+        self.fingerprint = fingerprint or None
+        self._fingerprint_given = self.fingerprint is not None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
-        self._payload: list[Any] = []
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller = zmq.Poller()
         # one id sequence per client: a late answer to an abandoned stream never matches
@@ -129,6 +175,9 @@ class FeedClient:
         self._close_socket()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # Held in self at once: whatever fails below, _close_socket (and close) sees it,
+        # so the context never waits on a socket nobody will close.
+        self._sock = sock
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
@@ -145,26 +194,36 @@ class FeedClient:
         # Handshake failures (wrong token, missing token) are invisible on the socket
         # itself: libzmq just retries. The monitor reports them so we can fail at once.
         self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILURES)
-        sock.connect(self.endpoint)
-        self._sock = sock
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            self._close_socket()
+            raise ConfigError(
+                f"can not connect to endpoint {self.endpoint!r}: {exc.strerror}; expected "
+                "tcp://host:port with a host this machine can resolve"
+            ) from None
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         return sock
 
     def _close_socket(self, *, bye: bool = False) -> None:
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            linger = 0
-            if bye and self.welcome is not None:
-                # Frees our connection slot on the server now rather than at its timeout.
-                self._sock.send(protocol.Bye().header(), zmq.NOBLOCK)
-                linger = 200
-            self._sock.close(linger=linger)
-            self._sock = None
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
+        sock, monitor = self._sock, self._monitor
+        self._sock = self._monitor = None
+        try:
+            if sock is not None:
+                linger = 0
+                if bye and self.welcome is not None:
+                    # Frees our connection slot on the server now rather than at its timeout.
+                    sock.send(protocol.Bye().header(), zmq.NOBLOCK)
+                    linger = 200
+                sock.disable_monitor()
+                sock.close(linger=linger)
+        finally:
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
+            if monitor is not None:
+                monitor.close(linger=0)
 
     def _check_handshake(self) -> None:
         mon = self._monitor
@@ -187,8 +246,9 @@ class FeedClient:
         try:
             self._close_socket(bye=True)
         except zmq.ZMQError:
-            self._close_socket()
-        self._ctx.term()
+            pass  # the bye is a courtesy; the socket is closed either way
+        finally:
+            self._ctx.term()
 
     def __enter__(self) -> FeedClient:
         return self
@@ -197,9 +257,17 @@ class FeedClient:
         self.close()
 
     def hello(self, deadline_at: float | None = None) -> protocol.Welcome:
-        """Attach to the job, retrying with fresh sockets until the deadline."""
+        """Attach to the job, retrying with fresh sockets until the deadline.
+
+        A retryable refusal is retried after a backoff (never at once); silence is
+        retried with a growing wait for the answer. Past ``warn_after`` seconds without
+        an answer a warning is logged; at the deadline the last refusal is raised (e.g.
+        :class:`~tokenfeed.errors.ConnectionLimit`), or ServerUnavailable if nothing
+        answered at all.
+        """
         opts = self.options
-        deadline_at = deadline_at or time.monotonic() + opts.deadline
+        started = time.monotonic()
+        deadline_at = deadline_at or started + opts.deadline
         hello = protocol.Hello(
             dataset=self.job.dataset,
             seq_len=self.job.seq_len,
@@ -210,39 +278,119 @@ class FeedClient:
             worker=self.worker,
             window=opts.window,
             client=self._name,
+            fingerprint=self.fingerprint or "",
         )
         wait = min(1.0, opts.request_timeout)
+        backoff = Backoff(cap=min(2.0, opts.request_timeout))
+        refusal: protocol.Err | None = None
+        warned = False
         while True:
             sock = self._open()
             sock.send(hello.header())
-            msg = self._recv(sock, min(wait, max(0.0, deadline_at - time.monotonic())))
+            received = self._recv(min(wait, max(0.0, deadline_at - time.monotonic())))
+            msg = received[0] if received is not None else None
             if isinstance(msg, protocol.Welcome):
                 return self._accept(msg)
-            if isinstance(msg, protocol.Err) and not msg.retry:
-                raise self._error(msg)
-            if time.monotonic() >= deadline_at:
+            if isinstance(msg, protocol.Err):
+                if not msg.retry:
+                    self._close_socket()
+                    raise self._error(msg)
+                refusal = msg
+            elif msg is not None:
                 self._close_socket()
-                raise ServerUnavailable(
-                    f"no answer from tokenfeed server at {self.endpoint} within "
-                    f"{opts.deadline:.0f}s; check that it runs and that its /readyz says "
-                    "ready, and that the endpoint and port are right"
+                raise ProtocolError(
+                    f"the server at {self.endpoint} answered hello with {msg.TYPE!r}"
                 )
+            now = time.monotonic()
+            if now >= deadline_at:
+                self._close_socket()
+                raise self._gave_up(refusal, now - started)
+            if refusal is None and not warned and now - started >= opts.warn_after:
+                warned = True
+                log.warning(
+                    "no answer from tokenfeed server at %s for %.0fs; still trying until "
+                    "the deadline of %.0fs. Check that it runs (GET /readyz) and that the "
+                    "endpoint and port are right",
+                    self.endpoint,
+                    now - started,
+                    deadline_at - started,
+                )
+            if msg is not None:  # refused: wait before asking again
+                time.sleep(min(backoff.next(), max(0.0, deadline_at - now)))
             wait = min(wait * 2, opts.request_timeout)
 
-    def _accept(self, welcome: protocol.Welcome) -> protocol.Welcome:
-        if self.welcome is not None and welcome.fingerprint != self.welcome.fingerprint:
-            raise DatasetChanged(
-                f"dataset {self.job.dataset!r} on {self.endpoint} was replaced while this "
-                "job was reading it; resuming would mix two datasets. Start a new run (or "
-                "restore the old dataset)"
+    def _gave_up(self, refusal: protocol.Err | None, waited: float) -> Exception:
+        """The error for a deadline passed: the last refusal if any, else silence."""
+        if refusal is not None:
+            return ServerError.from_code(
+                refusal.code,
+                f"{refusal.message} (server {self.endpoint}; still refused after "
+                f"{waited:.0f}s of retries with backoff)",
+                retry=refusal.retry,
             )
-        if welcome.dtype not in protocol.DTYPES:
-            raise ProtocolError(f"server announced unknown dtype {welcome.dtype!r}")
+        return ServerUnavailable(
+            f"no answer from tokenfeed server at {self.endpoint} within "
+            f"{waited:.0f}s; check that it runs and that its /readyz says "
+            "ready, and that the endpoint and port are right"
+        )
+
+    def _accept(self, welcome: protocol.Welcome) -> protocol.Welcome:
+        self._check_welcome(welcome)
+        if self.fingerprint is not None and welcome.fingerprint != self.fingerprint:
+            self._close_socket()
+            raise DatasetChanged(self._changed(welcome.fingerprint))
+        self.fingerprint = welcome.fingerprint
         self.welcome = welcome
         return welcome
 
-    def _recv(self, sock: zmq.Socket[bytes], timeout: float) -> protocol.Message | None:
-        """One message, or None after ``timeout`` seconds; chunk payloads ride along."""
+    def _changed(self, served: str | None) -> str:
+        """What a DatasetChanged says: which build was expected, which is served, what to do."""
+        now = f"the server has {served}" if served else "the server has another build"
+        if self._fingerprint_given:
+            return (
+                f"dataset {self.job.dataset!r} on {self.endpoint} is not the build this "
+                f"state was saved with (expected fingerprint {self.fingerprint}, {now}): it "
+                "was prepared again, and resuming would train on different data. Restore "
+                "the old dataset, or start over on purpose: drop the loader state (a new "
+                "run from position 0)"
+            )
+        return (
+            f"dataset {self.job.dataset!r} on {self.endpoint} was replaced while this job "
+            f"was reading it (expected fingerprint {self.fingerprint}, {now}); going on "
+            "would mix two datasets. Start a new run (or restore the old dataset)"
+        )
+
+    def _check_welcome(self, welcome: protocol.Welcome) -> None:
+        """Refuse values a correct server never sends (they would fail later, obscurely)."""
+        problems = []
+        if welcome.window < 1:
+            problems.append(f"window={welcome.window} (must be >= 1)")
+        if welcome.max_count < 1:
+            problems.append(f"max_count={welcome.max_count} (must be >= 1)")
+        if welcome.n_windows < 1:
+            problems.append(f"n_windows={welcome.n_windows} (must be >= 1)")
+        if welcome.n_tokens < 1:
+            problems.append(f"n_tokens={welcome.n_tokens} (must be >= 1)")
+        dtype = protocol.DTYPES.get(welcome.dtype)
+        if dtype is None:
+            problems.append(f"dtype={welcome.dtype!r} (must be one of {sorted(protocol.DTYPES)})")
+        elif not 0 <= welcome.eos_id <= np.iinfo(dtype).max:
+            problems.append(f"eos_id={welcome.eos_id} (outside {welcome.dtype})")
+        for name in ("job", "fingerprint", "server"):
+            if not getattr(welcome, name):
+                problems.append(f"{name} is empty")
+        if problems:
+            self._close_socket()
+            raise ProtocolError(
+                f"the server at {self.endpoint} sent an invalid welcome: "
+                f"{'; '.join(problems)}. Install matching versions of tokenfeed and "
+                "tokenfeed-server, or report a server bug"
+            )
+
+    def _recv(self, timeout: float) -> Received | None:
+        """One message with its payload frames, or None after ``timeout`` seconds."""
+        sock = self._sock
+        assert sock is not None
         end = time.monotonic() + timeout
         while True:
             ready = dict(self._poller.poll(max(0, int((end - time.monotonic()) * 1000))))
@@ -252,125 +400,74 @@ class FeedClient:
             if time.monotonic() >= end:
                 return None
         frames = sock.recv_multipart(copy=False)
-        msg = protocol.decode_header(frames[0].buffer)
-        if isinstance(msg, protocol.Chunk):
-            self._payload = frames[1:]
-        return msg
+        return protocol.decode_header(frames[0].buffer), frames[1:]
 
     def _error(self, err: protocol.Err) -> ServerError:
+        if err.code == DatasetChanged.code and self.fingerprint is not None:
+            return DatasetChanged(f"{self._changed(None)} [server: {err.message}]")
         return ServerError.from_code(
             err.code, f"{err.message} (server {self.endpoint})", retry=err.retry
         )
 
+    def _current(self) -> protocol.Welcome:
+        if self.welcome is None or self._sock is None:
+            return self.hello()
+        return self.welcome
+
     # -- data ------------------------------------------------------------------------
 
-    def stream(self, requests: Iterable[Request]) -> Iterator[Chunk]:
-        """Chunks for ``requests``, in order, with at most ``window`` in flight.
+    def stream(self, requests: Iterable[Request]) -> Iterator[Answer]:
+        """Answers to ``requests``, in order, with at most ``window`` in flight.
 
         After a reconnect the server may have other limits (an operator restarted it with
         new settings): the window is taken from the new ``welcome`` and requests larger
         than its ``max_count`` are split, so the stream carries on unchanged.
         """
-        if self.welcome is None or self._sock is None:
-            self.hello()
-        todo = iter(requests)
-        leftover: collections.deque[Request] = collections.deque()  # pieces not yet asked
-        ids = self._ids
-        pending: collections.OrderedDict[int, Request] = collections.OrderedDict()
-        sent: set[int] = set()  # asked on the current socket, not yet answered
-        done: dict[int, Chunk] = {}
-        exhausted = False
+        opts = self.options
+        self._current()
+        flow: RequestWindow[Answer] = RequestWindow(
+            requests, global_batch=self.job.batch_size * self.job.world_size, ids=self._ids
+        )
+        backoff = Backoff(cap=min(2.0, opts.request_timeout))
         last_progress = time.monotonic()
         while True:
-            assert self.welcome is not None
-            window = min(self.options.window, self.welcome.window)
-            for rid, req in pending.items():  # re-ask what a reconnect left unanswered
-                if len(sent) >= window:
-                    break
-                if rid not in sent and rid not in done:
-                    self._send_get(rid, req)
-                    sent.add(rid)
-            # New requests only while fewer than `window` are unyielded: answers that wait
-            # behind a slow head of line count too, so memory stays window x chunk.
-            while len(pending) < window and not (exhausted and not leftover):
-                if not leftover:
-                    taken = next(todo, None)
-                    if taken is None:
-                        exhausted = True
-                        continue
-                    leftover.append(taken)
-                # cut with the limit in force now (a restarted server may have a smaller one)
-                new, *rest = self._split(leftover.popleft())
-                leftover.extendleft(reversed(rest))
-                rid = next(ids)
-                pending[rid] = new
-                self._send_get(rid, new)
-                sent.add(rid)
-            if not pending:
+            welcome = self._current()
+            for rid, req in flow.to_send(min(opts.window, welcome.window), welcome.max_count):
+                self._send_get(rid, req)
+            if flow.finished:
                 return
-            head = next(iter(pending))
-            if head in done:
-                pending.pop(head)
-                yield done.pop(head)
+            answer = flow.pop_ready()
+            if answer is not None:
+                yield answer
                 last_progress = time.monotonic()
+                backoff.reset()
                 continue
-            sock = self._sock
-            assert sock is not None
-            msg = self._recv(sock, self.options.request_timeout)
-            if isinstance(msg, protocol.Chunk):
-                if msg.req in sent:
-                    sent.discard(msg.req)
-                    done[msg.req] = self._chunk(pending[msg.req], msg)
-                continue  # a stale answer (already received) is dropped: no duplicates
-            if isinstance(msg, protocol.Err) and not msg.retry and msg.code != "unknown_job":
-                raise self._error(msg)
-            if isinstance(msg, protocol.Pong):
+            received = self._recv(opts.request_timeout)
+            msg = received[0] if received is not None else None
+            if received is not None and isinstance(msg, protocol.Chunk):
+                asked = flow.expects(msg.req)
+                if asked is not None:  # else a stale answer (already received): dropped
+                    flow.answer(msg.req, self._answer(asked, msg, received[1]))
                 continue
+            if isinstance(msg, protocol.Err):
+                # unknown_job: the server restarted and forgot us; hello again (below)
+                if not msg.retry and msg.code != "unknown_job":
+                    raise self._error(msg)
+            elif msg is not None:
+                raise ProtocolError(f"the server at {self.endpoint} sent {msg.TYPE!r} mid-stream")
             # Silence, or a retryable refusal (restarted server, overload): Lazy Pirate.
-            if time.monotonic() - last_progress > self.options.deadline:
-                raise ServerUnavailable(
-                    f"no data from tokenfeed server at {self.endpoint} for "
-                    f"{self.options.deadline:.0f}s; check that it runs (GET /readyz)"
-                )
+            waited = time.monotonic() - last_progress
+            if waited > opts.deadline:
+                raise self._gave_up(msg if isinstance(msg, protocol.Err) else None, waited)
             if msg is None:
                 log.warning(
-                    "no answer from %s in %.1fs: reconnecting",
-                    self.endpoint,
-                    self.options.request_timeout,
+                    "no answer from %s in %.1fs: reconnecting", self.endpoint, opts.request_timeout
                 )
             else:
-                time.sleep(0.05)
-            self.hello(deadline_at=last_progress + self.options.deadline)
-            sent.clear()
-            pending = self._fit(pending, done, ids)
-
-    def _fit(
-        self,
-        pending: collections.OrderedDict[int, Request],
-        done: dict[int, Chunk],
-        ids: Iterator[int],
-    ) -> collections.OrderedDict[int, Request]:
-        """``pending`` with every unanswered request cut to the server's ``max_count``."""
-        fitted: collections.OrderedDict[int, Request] = collections.OrderedDict()
-        for rid, req in pending.items():
-            pieces = [req] if rid in done else self._split(req)
-            if len(pieces) == 1:
-                fitted[rid] = req
-            else:
-                fitted.update((next(ids), piece) for piece in pieces)
-        return fitted
-
-    def _split(self, req: Request) -> list[Request]:
-        """``req`` as requests of at most the server's ``max_count`` batches each."""
-        assert self.welcome is not None
-        limit = self.welcome.max_count
-        if req.count <= limit:
-            return [req]
-        step = req.stride * self.job.batch_size * self.job.world_size
-        return [
-            Request(req.pos + first * step, min(limit, req.count - first), req.stride)
-            for first in range(0, req.count, limit)
-        ]
+                time.sleep(backoff.next())
+            self.hello(deadline_at=last_progress + opts.deadline)
+            assert self.welcome is not None
+            flow.reconnected(self.welcome.max_count)
 
     def _send_get(self, rid: int, req: Request) -> None:
         assert self._sock is not None and self.welcome is not None
@@ -384,37 +481,13 @@ class FeedClient:
         )
         self._sock.send(get.header())
 
-    def _chunk(self, req: Request, header: protocol.Chunk) -> Chunk:
-        tokens, window_ids, epochs = protocol.decode_chunk(header, self._payload)
-        self._payload = []
-        rows = req.count * self.job.batch_size
-        if tokens.shape != (rows, self.job.seq_len + 1):
+    def _answer(self, req: Request, header: protocol.Chunk, payload: list[Any]) -> Answer:
+        tokens, rows = protocol.decode_chunk(header, payload)
+        window_ids, epochs = protocol.require_rows(rows, protocol.ROW_WINDOW, protocol.ROW_EPOCH)
+        n_rows = req.count * self.job.batch_size
+        if tokens.shape != (n_rows, self.job.seq_len + 1):
             raise ProtocolError(
                 f"chunk for {req} has shape {tokens.shape}, expected "
-                f"({rows}, {self.job.seq_len + 1})"
+                f"({n_rows}, {self.job.seq_len + 1})"
             )
-        return Chunk(req, tokens, window_ids, epochs)
-
-
-def pack_requests(
-    steps: Iterable[int], start: int, global_batch: int, max_count: int
-) -> Iterator[Request]:
-    """Group local steps into requests: arithmetic runs of at most ``max_count`` steps.
-
-    A worker's steps are evenly spaced (every K-th step with K workers), so a run of them
-    is one request with ``stride = K``; a chunk then carries several batches and the
-    per-message cost is paid once for all of them.
-    """
-    run: list[int] = []
-    for step in steps:
-        if run and (len(run) == max_count or (len(run) >= 2 and step - run[-1] != run[1] - run[0])):
-            yield _request(run, start, global_batch)
-            run = []
-        run.append(step)
-    if run:
-        yield _request(run, start, global_batch)
-
-
-def _request(run: list[int], start: int, global_batch: int) -> Request:
-    stride = run[1] - run[0] if len(run) > 1 else 1
-    return Request(pos=start + run[0] * global_batch, count=len(run), stride=stride)
+        return Answer(req, tokens, window_ids, epochs)

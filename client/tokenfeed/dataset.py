@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,11 +23,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from tokenfeed.client import Chunk, ClientOptions, FeedClient, pack_requests
+from tokenfeed.client import Answer, ClientOptions, FeedClient
 from tokenfeed.documents import document_fields
+from tokenfeed.endpoint import check_endpoint
 from tokenfeed.errors import ConfigError
 from tokenfeed.plan import steps_to_cover, worker_steps
-from tokenfeed.protocol import DTYPES, JobSpec
+from tokenfeed.protocol import DTYPES, JobSpec, Welcome
+from tokenfeed.window import pack_requests
 
 Batch = dict[str, torch.Tensor]
 
@@ -93,7 +96,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             raise ConfigError("give epochs or samples, not both")
         if batches_per_item is not None and batches_per_item < 1:
             raise ConfigError("batches_per_item must be >= 1")
-        self.endpoint = endpoint
+        self.endpoint = check_endpoint(endpoint)
         self.job = JobSpec(dataset, seq_len, batch_size, seed, self.world_size)
         self.epochs = epochs
         self.samples = samples
@@ -114,6 +117,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
         self.document_boundaries = document_boundaries
         #: the dataset's EOS id, known once connected
         self.eos_id: int | None = None
+        #: the dataset build this reads: from a loaded state, else the first welcome
+        self.fingerprint: str | None = None
 
     @property
     def global_batch(self) -> int:
@@ -125,9 +130,35 @@ class TokenFeedDataset(IterableDataset[Batch]):
         """The EOS id to cut documents at, or None when boundaries were not asked for."""
         return self.eos_id if self.document_boundaries else None
 
-    def convert(self, chunk: Chunk) -> Iterator[Batch]:
-        """The batches of a chunk from :meth:`iter_chunks`, converted as they are taken."""
-        return batches_of(chunk, self.job.batch_size, self.boundary_eos)
+    def convert(self, answer: Answer) -> Iterator[Batch]:
+        """The batches of an answer from :meth:`iter_answers`, converted as they are taken."""
+        return batches_of(answer, self.job.batch_size, self.boundary_eos)
+
+    def check_server(self) -> Welcome:
+        """Say hello from this process: learn the dataset's build and sizes, pin the build.
+
+        :class:`~tokenfeed.TokenFeedLoader` calls this before it starts worker processes,
+        so a refusal (another build than a loaded state's, a forbidden dataset) is raised
+        here and every worker reads the same build.
+        """
+        with self._client(0) as client:
+            return self._learn(client.hello())
+
+    def _client(self, worker: int) -> FeedClient:
+        return FeedClient(
+            self.endpoint,
+            self.job,
+            rank=self.rank,
+            worker=worker,
+            options=self.options,
+            fingerprint=self.fingerprint,
+        )
+
+    def _learn(self, welcome: Welcome) -> Welcome:
+        self.n_windows = welcome.n_windows
+        self.eos_id = welcome.eos_id
+        self.fingerprint = welcome.fingerprint
+        return welcome
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
@@ -153,13 +184,13 @@ class TokenFeedDataset(IterableDataset[Batch]):
         """
         sizes: collections.deque[int] = collections.deque()
         batch = self.job.batch_size
-        pending: list[tuple[Chunk, int, int]] = []
+        pending: list[tuple[Answer, int, int]] = []
         have = 0
-        for chunk in self._chunks(worker, num_workers, sizes):
-            at, count = 0, chunk.request.count
-            while at < count:  # cut the chunk's batches at item boundaries
+        for answer in self._answers(worker, num_workers, sizes):
+            at, count = 0, answer.request.count
+            while at < count:  # cut the answer's batches at item boundaries
                 take = min(count - at, sizes[0] - have)
-                pending.append((chunk, at, at + take))
+                pending.append((answer, at, at + take))
                 have, at = have + take, at + take
                 if have == sizes[0]:
                     sizes.popleft()
@@ -170,28 +201,24 @@ class TokenFeedDataset(IterableDataset[Batch]):
                         yield _pack(pending, batch, self.boundary_eos)
                     pending, have = [], 0
 
-    def iter_chunks(self, worker: int, num_workers: int) -> Iterator[Chunk]:
-        """The raw received chunks of worker ``worker``; :func:`batches_of` converts one.
+    def iter_answers(self, worker: int, num_workers: int) -> Iterator[Answer]:
+        """The raw received answers of worker ``worker``; :func:`batches_of` converts one.
 
         For a consumer in this process (``TokenFeedLoader`` with ``num_workers=0``): one
-        hand-over per chunk instead of one per batch keeps thread switches off the
-        per-batch path, and converting each batch only when it is taken keeps the memory
-        ahead of the consumer at raw-token size (1/4 of int64 inputs and labels). Items
-        do not matter here (nothing crosses a process boundary).
+        hand-over per answer (several batches) instead of one per batch keeps thread
+        switches off the per-batch path, and converting each batch only when it is taken
+        keeps the memory ahead of the consumer at raw-token size (1/4 of int64 inputs and
+        labels). Items do not matter here (nothing crosses a process boundary).
         """
-        return self._chunks(worker, num_workers, None)
+        return self._answers(worker, num_workers, None)
 
-    def _chunks(
+    def _answers(
         self, worker: int, num_workers: int, sizes: collections.deque[int] | None
-    ) -> Iterator[Chunk]:
-        """Received chunks of this worker's steps; item sizes are appended to ``sizes``."""
+    ) -> Iterator[Answer]:
+        """Received answers for this worker's steps; item sizes are appended to ``sizes``."""
         start = self.position
-        with FeedClient(
-            self.endpoint, self.job, rank=self.rank, worker=worker, options=self.options
-        ) as client:
-            welcome = client.hello()
-            self.n_windows = welcome.n_windows
-            self.eos_id = welcome.eos_id
+        with self._client(worker) as client:
+            welcome = self._learn(client.hello())
             n_steps = self._steps_left(start, welcome.n_windows)
 
             def steps() -> Iterator[int]:
@@ -216,7 +243,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
         return None
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """The resume state: the consumed stream position and the plan inputs it is for.
+        """The resume state: the consumed stream position, the plan inputs it is for and
+        the dataset build (``fingerprint``; None if this dataset never connected).
 
         The position advances when the dataset is iterated in this process. Under your
         own DataLoader with worker processes it cannot see what was consumed: use
@@ -230,10 +258,16 @@ class TokenFeedDataset(IterableDataset[Batch]):
             "seed": self.job.seed,
             "batch_size": self.job.batch_size,
             "world_size": self.job.world_size,
+            "fingerprint": self.fingerprint,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position; batch_size and world_size may differ."""
+        """Continue from a saved position; batch_size and world_size may differ.
+
+        The state's dataset build is pinned: reading resumes only from a server with the
+        same build, else :class:`~tokenfeed.errors.DatasetChanged` says what changed. A
+        state without a fingerprint (saved by an older tokenfeed) loads with a warning.
+        """
         for key in ("dataset", "seq_len", "seed"):
             mine = getattr(self.job, key)
             if state.get(key) != mine:
@@ -244,7 +278,18 @@ class TokenFeedDataset(IterableDataset[Batch]):
         position = state.get("position")
         if type(position) is not int or position < 0:
             raise ConfigError(f"state has no valid 'position': {position!r}")
+        fingerprint = state.get("fingerprint")
+        if fingerprint is None:
+            warnings.warn(
+                "the loaded state carries no dataset fingerprint (saved by an older tokenfeed "
+                "or before the first batch): resuming can not check that the server still "
+                f"has the same build of {self.job.dataset!r}. Save a new state to get the check",
+                stacklevel=2,
+            )
+        elif not isinstance(fingerprint, str) or not fingerprint:
+            raise ConfigError(f"state has no valid 'fingerprint': {fingerprint!r}")
         self.position = position
+        self.fingerprint = fingerprint
 
 
 def _distributed_defaults() -> tuple[int, int]:
@@ -276,26 +321,26 @@ def _from_rows(
     return batch
 
 
-def _batch(chunk: Chunk, b: int, batch_size: int, eos_id: int | None) -> Batch:
+def _batch(answer: Answer, b: int, batch_size: int, eos_id: int | None) -> Batch:
     rows = slice(b * batch_size, (b + 1) * batch_size)
     return _from_rows(
-        chunk.tokens[rows],
-        torch.from_numpy(chunk.window_ids[rows].copy()),  # the received buffer is read-only
-        torch.from_numpy(chunk.epochs[rows].copy()),
+        answer.tokens[rows],
+        torch.from_numpy(answer.window_ids[rows].copy()),  # the received buffer is read-only
+        torch.from_numpy(answer.epochs[rows].copy()),
         eos_id,
     )
 
 
-def batches_of(chunk: Chunk, batch_size: int, eos_id: int | None = None) -> Iterator[Batch]:
-    """The batches of one received chunk, converted one at a time as they are taken.
+def batches_of(answer: Answer, batch_size: int, eos_id: int | None = None) -> Iterator[Batch]:
+    """The batches of one received answer, converted one at a time as they are taken.
 
     With ``eos_id``, each batch also carries ``position_ids`` and ``cu_seqlens``
     (see :func:`tokenfeed.documents.document_fields`).
     """
-    return (_batch(chunk, b, batch_size, eos_id) for b in range(chunk.request.count))
+    return (_batch(answer, b, batch_size, eos_id) for b in range(answer.request.count))
 
 
-def _pack(pieces: list[tuple[Chunk, int, int]], batch_size: int, eos_id: int | None) -> Batch:
+def _pack(pieces: list[tuple[Answer, int, int]], batch_size: int, eos_id: int | None) -> Batch:
     # One copy of the raw rows into a fresh (writable, shareable) array per item.
     def rows(field: str) -> np.ndarray:
         parts = [getattr(c, field)[lo * batch_size : hi * batch_size] for c, lo, hi in pieces]

@@ -15,7 +15,7 @@ mapped onto this tree at the boundary where they happen, never leaked raw::
     │   └── CorruptShard         a shard fails its header, size or checksum check
     ├── PrepareError             turning a corpus into a dataset failed
     │   └── BadRecord            one input record is unusable (file and line named)
-    ├── ProtocolError            a frame that does not follow wire protocol v1
+    ├── ProtocolError            a frame that does not follow the wire protocol
     ├── ServerError              the server answered ERR (carries .code and .retry)
     │   ├── UnknownDataset       the server has no dataset of that name
     │   ├── RequestRejected      the request is invalid or exceeds a server limit
@@ -26,7 +26,9 @@ mapped onto this tree at the boundary where they happen, never leaked raw::
     └── ServerUnavailable        no answer from the endpoint before the deadline
 
 ``ServerError.from_code`` maps a wire error code to the matching subclass, so the
-client raises the precise type without a table of its own.
+client raises the precise type without a table of its own. A code without a subclass of
+its own (``unknown_job``, ``overloaded``, or one a newer server sends) gives a plain
+``ServerError`` that still carries that code: ``.code`` is always the code on the wire.
 """
 
 from __future__ import annotations
@@ -82,18 +84,21 @@ class BadRecord(PrepareError):
 
 
 class ProtocolError(TokenFeedError):
-    """A message that does not follow wire protocol v1."""
+    """A message that does not follow the wire protocol (or carries an invalid value)."""
 
 
 class ServerError(TokenFeedError):
-    """The server answered with an ERR message."""
+    """The server answered with an ERR message; ``code`` is its wire error code."""
 
-    code: ClassVar[str] = "internal"
+    #: the wire code of this class; an instance may carry another (see ``from_code``)
+    code: str = "internal"
     _by_code: ClassVar[dict[str, type[ServerError]]] = {}
 
-    def __init__(self, message: str, *, retry: bool = False) -> None:
+    def __init__(self, message: str, *, retry: bool = False, code: str | None = None) -> None:
         super().__init__(message)
         self.retry = retry
+        if code is not None:
+            self.code = code
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -101,9 +106,9 @@ class ServerError(TokenFeedError):
 
     @staticmethod
     def from_code(code: str, message: str, *, retry: bool = False) -> ServerError:
-        """Build the exception that matches a wire error code (unknown codes: ServerError)."""
+        """The exception for a wire error code: its subclass, else ServerError with that code."""
         cls = ServerError._by_code.get(code, ServerError)
-        return cls(message, retry=retry)
+        return cls(message, retry=retry, code=code)
 
 
 class UnknownDataset(ServerError):

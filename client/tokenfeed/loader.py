@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from tokenfeed.client import Chunk
+from tokenfeed.client import Answer
 from tokenfeed.dataset import Batch, TokenFeedDataset, unpack
 from tokenfeed.device import stage
 
@@ -88,8 +88,11 @@ class TokenFeedLoader:
     def _batches(self) -> Iterator[Batch]:
         if self.num_workers == 0:
             return _Background(
-                self.dataset.iter_chunks(0, 1), self.dataset.convert, self.pin_memory
+                self.dataset.iter_answers(0, 1), self.dataset.convert, self.pin_memory
             )
+        # Hello from this process first: the workers then read the build pinned here (or
+        # the loaded state's), and a refusal is raised here, not from inside a worker.
+        self.dataset.check_server()
         packed = self.dataset.batches_per_item > 1
         items = iter(
             DataLoader(
@@ -132,7 +135,7 @@ class _Background(Iterator[Batch]):
     """
 
     def __init__(
-        self, source: Iterator[Chunk], convert: Callable[[Chunk], Iterator[Batch]], pin: bool
+        self, source: Iterator[Answer], convert: Callable[[Answer], Iterator[Batch]], pin: bool
     ) -> None:
         # One slot holds a whole chunk (tens of batches): one ready chunk plus the one being
         # consumed; the client's request window reads further ahead, at raw size, so more
@@ -185,8 +188,8 @@ _END = object()
 
 
 def _receive(
-    source: Iterator[Chunk],
-    convert: Callable[[Chunk], Iterator[Batch]],
+    source: Iterator[Answer],
+    convert: Callable[[Answer], Iterator[Batch]],
     pin: bool,
     out: queue.Queue[Any],
     stop: threading.Event,
@@ -201,11 +204,11 @@ def _receive(
         return False
 
     try:
-        for chunk in source:
+        for answer in source:
             batches: Any = (
-                [{k: v.pin_memory() for k, v in b.items()} for b in convert(chunk)]
+                [{k: v.pin_memory() for k, v in b.items()} for b in convert(answer)]
                 if pin
-                else chunk
+                else answer
             )
             if not put(batches):
                 return
