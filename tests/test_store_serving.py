@@ -1,8 +1,11 @@
-"""What the server does with damaged and replaced datasets: refuse them clearly, keep
-serving the others, and never let a running job mix two versions of a dataset."""
+"""The serving Store and what the server does with datasets that change under it: new
+ones are served, damaged ones refused clearly while the others are served, and a running
+job never mixes two versions of a dataset."""
 
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +13,8 @@ import pytest
 
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset
-from tokenfeed.errors import DatasetChanged, UnknownDataset
-from tokenfeed_server.store import TokenizerInfo, write_dataset
-
-pytestmark = pytest.mark.network
+from tokenfeed.errors import DatasetChanged, DatasetNotFound, ManifestError, UnknownDataset
+from tokenfeed_server.store import Store, TokenizerInfo, write_dataset
 
 BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
@@ -36,6 +37,78 @@ def dataset(srv: LiveServer, name: str, **kw: object) -> TokenFeedDataset:
     return TokenFeedDataset(srv.zmq, name, **args)  # type: ignore[arg-type]
 
 
+# -- the Store on its own: a watcher thread keeps it current, look-ups read memory only
+
+
+def test_store_watcher_sees_new_replaced_and_removed_datasets(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    write_dataset(root, "a", docs(1), tokenizer=BYTE, shuffle_seed=0)
+    store = Store(root, scan_interval_s=3600.0)  # only wait_for_scan wakes it here
+    store.open_all()
+    try:
+        first = store.get("a")
+        write_dataset(root, "b", docs(2), tokenizer=BYTE, shuffle_seed=0)
+        write_dataset(root, "a", docs(3), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
+        # Nothing is looked up on disk until the watcher has scanned.
+        assert store.names() == ["a"] and store.get("a") is first
+        assert store.wait_for_scan(timeout=10.0)
+        assert store.names() == ["a", "b"]
+        assert store.get("a").fingerprint != first.fingerprint
+        assert store.get("b").n_documents == 100
+        np.testing.assert_array_equal(first.read(0, 500), docs(1)[0])  # old files still read
+        shutil.rmtree(root / "b")
+        assert store.get("b").n_documents == 100
+        assert store.wait_for_scan(timeout=10.0)
+        with pytest.raises(DatasetNotFound, match="'b'"):
+            store.get("b")
+        assert [s["name"] for s in store.summaries()] == ["a"]
+    finally:
+        store.close()
+
+
+def test_store_keeps_a_broken_dataset_as_its_error_until_it_is_rebuilt(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    write_dataset(root, "a", docs(1), tokenizer=BYTE, shuffle_seed=0)
+    (root / "a" / "manifest.json").write_text("{not json")
+    store = Store(root, scan_interval_s=3600.0)
+    store.open_all()
+    try:
+        with pytest.raises(ManifestError, match="manifest"):
+            store.get("a")
+        assert store.summaries()[0]["ok"] is False
+        write_dataset(root, "a", docs(1), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
+        assert store.wait_for_scan(timeout=10.0)
+        assert store.get("a").n_documents == 100
+    finally:
+        store.close()
+
+
+def test_store_close_stops_the_watcher(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    write_dataset(root, "a", docs(1), tokenizer=BYTE, shuffle_seed=0)
+    store = Store(root)
+    store.open_all()
+    store.close()
+    assert not store.wait_for_scan(timeout=0.2)  # nobody scans any more
+    assert store.names() == []
+
+
+# -- a running server
+
+
+@pytest.mark.network
+def test_a_dataset_that_appears_is_served(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    write_dataset(store, "old", docs(1), tokenizer=BYTE, shuffle_seed=0)
+    with LiveServer(store) as srv:
+        write_dataset(store, "new", docs(2), tokenizer=BYTE, shuffle_seed=0)
+        deadline = time.monotonic() + 20.0  # the watcher rescans every 0.5 s
+        while "new" not in {d["name"] for d in srv.get("/v1/datasets").json()}:
+            assert time.monotonic() < deadline, "the server never listed the new dataset"
+        assert sum(1 for _ in dataset(srv, "new", samples=40)) == 10
+
+
+@pytest.mark.network
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_dataset_is_refused_and_the_rest_served(tmp_path: Path, damage: str) -> None:
     store = tmp_path / "store"
@@ -59,6 +132,7 @@ def test_damaged_dataset_is_refused_and_the_rest_served(tmp_path: Path, damage: 
     assert shard.name in log.read_text()  # the operator's log names the file
 
 
+@pytest.mark.network
 def test_a_replaced_dataset_is_never_mixed_into_a_running_job(tmp_path: Path) -> None:
     store = tmp_path / "store"
     write_dataset(store, "d", docs(1), tokenizer=BYTE, shuffle_seed=0)
@@ -71,9 +145,9 @@ def test_a_replaced_dataset_is_never_mixed_into_a_running_job(tmp_path: Path) ->
             next(it)
         # The operator rebuilds the dataset and restarts the server mid-run.
         write_dataset(store, "d", docs(2), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
-        ports = {"zmq_port": srv.zmq_port, "http_port": srv.http_port}
+        zmq_port, http_port = srv.zmq_port, srv.http_port
         srv.kill()
-        srv = LiveServer(store, log_path=log, **ports).start()
+        srv = LiveServer(store, log_path=log, zmq_port=zmq_port, http_port=http_port).start()
         with pytest.raises(DatasetChanged, match="replaced"):
             for _ in it:
                 pass

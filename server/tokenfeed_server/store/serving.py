@@ -2,10 +2,15 @@
 
 A dataset is validated when first opened (see
 :func:`~tokenfeed_server.store.reader.open_dataset`); it is then shared by all jobs, so
-the page cache holds one copy whatever the number of trainers. A dataset replaced on disk
-(``prepare --overwrite``) is noticed by the identity of its manifest file and reopened for
-new jobs; running jobs keep the old files and their clients see the fingerprint change
-when they reconnect.
+the page cache holds one copy whatever the number of trainers.
+
+The data plane's loop thread never touches the file system to look a dataset up: a
+watcher thread rescans the store every ``scan_interval_s`` and (re)opens what changed,
+and :meth:`Store.get` only reads the result. A dataset that appears is served from the
+next scan on; one replaced on disk (``prepare --overwrite``, noticed by the identity of
+its manifest file) is reopened for new jobs, while running jobs keep the old files and
+their clients see the fingerprint change when they reconnect; one removed is no longer
+found.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import numpy as np
 
 from tokenfeed.errors import DatasetNotFound, StoreError
 from tokenfeed.plan import Plan
+from tokenfeed_server.logbudget import LogBudget
+from tokenfeed_server.store.format import MANIFEST_NAME
 from tokenfeed_server.store.reader import (
     Dataset,
     list_datasets,
@@ -30,105 +37,189 @@ from tokenfeed_server.store.reader import (
 
 log = logging.getLogger(__name__)
 
+#: Seconds between two scans of the store directory by the watcher.
+DEFAULT_SCAN_INTERVAL_S = 0.5
 
-@dataclass
+# The identity of a manifest file: a dataset published again gets a new inode.
+_Signature = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
 class _Entry:
-    signature: tuple[int, int]
+    signature: _Signature
     dataset: Dataset | None
     error: StoreError | None
 
 
 class Store:
-    """Open datasets of one store directory, by name."""
+    """The datasets of one store directory, by name, kept current by a watcher thread.
 
-    def __init__(self, root: Path, *, verify_checksums: bool = False) -> None:
+    :meth:`open_all` opens every dataset and starts the watcher; :meth:`close` stops it.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        verify_checksums: bool = False,
+        scan_interval_s: float = DEFAULT_SCAN_INTERVAL_S,
+    ) -> None:
+        if scan_interval_s <= 0:
+            raise ValueError(f"scan_interval_s must be > 0, got {scan_interval_s}")
         self.root = root
         self.verify_checksums = verify_checksums
+        self.scan_interval_s = scan_interval_s
+        # Replaced whole by the watcher, never mutated: readers need no lock.
         self._entries: dict[str, _Entry] = {}
-        self._lock = threading.Lock()  # HTTP handlers and the data plane both look up
+        self._scans = threading.Condition()
+        self._started = 0  # scans begun
+        self._finished = 0  # scans completed
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._log_budget = LogBudget(per_s=5)
 
-    def open_all(self) -> None:
-        """Open and validate every dataset now, so that problems show in the start-up log."""
+    # -- lifecycle -------------------------------------------------------------------
+
+    def open_all(self, *, watch: bool = True) -> None:
+        """Open and validate every dataset now (problems show in the start-up log), then
+        start the watcher unless ``watch`` is false.
+
+        Checksums are verified here when the Store was made with ``verify_checksums``;
+        never for datasets that appear or change later, so a rescan stays cheap.
+        """
         if not self.root.is_dir():
             raise StoreError(
                 f"store directory {self.root} does not exist; create it with "
                 "`tokenfeed-server prepare ... --store DIR` or point --store at an existing one"
             )
-        for name in list_datasets(self.root):
-            try:
-                ds = self.get(name, verify_checksums=self.verify_checksums)
-                log.info(
-                    "dataset %s: %d tokens, %d shards", name, ds.n_tokens, len(ds.manifest.shards)
-                )
-            except StoreError as exc:
-                log.error("dataset %s is not served: %s", name, exc)
+        self.scan(verify_checksums=self.verify_checksums, initial=True)
+        if watch and self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._watch, name="tokenfeed-store-watcher", daemon=True
+            )
+            self._thread.start()
 
-    def get(self, name: str, *, verify_checksums: bool = False) -> Dataset:
-        """The open dataset ``name``; raises DatasetNotFound or the error that stops it.
+    def close(self) -> None:
+        """Stop the watcher and close every open dataset."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        entries, self._entries = self._entries, {}
+        for entry in entries.values():
+            if entry.dataset is not None:
+                entry.dataset.close()
 
-        Headers and sizes are always checked. Checksums only when asked: at start-up
-        with ``--verify-checksums``; never for a dataset replaced while serving, whose
-        reopening runs on the data plane and must not stall it for a full hash.
-        """
+    # -- look-ups (memory only) ------------------------------------------------------
+
+    def get(self, name: str) -> Dataset:
+        """The open dataset ``name``; raises DatasetNotFound or the error that stops it."""
         validate_dataset_name(name)
-        manifest = self.root / name / "manifest.json"
-        try:
-            st = os.stat(manifest)
-        except FileNotFoundError:
+        entry = self._entries.get(name)
+        if entry is None:
             raise DatasetNotFound(
                 f"dataset {name!r} is not in store {self.root}; available: "
                 f"{', '.join(self.names()) or 'none'}"
-            ) from None
-        signature = (st.st_ino, st.st_mtime_ns)
-        with self._lock:
-            entry = self._entries.get(name)
-        if entry is None or entry.signature != signature:
-            # Opened outside the lock: validating (or hashing) a big dataset must not block
-            # look-ups of the others. Two threads opening at once both succeed; one wins.
-            opened = self._open(name, signature, verify_checksums)
-            with self._lock:
-                current = self._entries.get(name)
-                if current is not None and current.signature == signature:
-                    entry = current  # another thread opened the same files first
-                else:
-                    self._entries[name] = entry = opened
-            if entry is not opened and opened.dataset is not None:
-                opened.dataset.close()
+            )
         if entry.error is not None:
             raise entry.error
         assert entry.dataset is not None
         return entry.dataset
 
-    def _open(self, name: str, signature: tuple[int, int], verify_checksums: bool) -> _Entry:
-        # Failures are cached under the same signature, so a client hammering a corrupt
-        # dataset does not make the server re-read it on every hello.
+    def names(self) -> list[str]:
+        """Names of the complete datasets on disk at the last scan, sorted."""
+        return sorted(self._entries)
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """One summary per dataset on disk, including those that fail to open."""
+        out = []
+        for name, entry in sorted(self._entries.items()):
+            if entry.dataset is not None:
+                out.append(summary(entry.dataset))
+            else:
+                out.append({"name": name, "ok": False, "error": str(entry.error)})
+        return out
+
+    # -- scanning (off the data plane's thread) -------------------------------------
+
+    def wait_for_scan(self, timeout: float | None = None) -> bool:
+        """Wait until a scan that began after this call has finished; False on timeout.
+
+        What was on disk when this is called is then what :meth:`get` answers from. The
+        watcher is woken at once, so this takes one scan, not one interval.
+        """
+        with self._scans:
+            target = self._started + 1
+            self._wake.set()
+            return self._scans.wait_for(lambda: self._finished >= target, timeout)
+
+    def scan(self, *, verify_checksums: bool = False, initial: bool = False) -> None:
+        """Rescan the directory: open datasets that are new or whose manifest changed,
+        forget removed ones. The watcher calls this; it is safe from one thread at a time.
+        """
+        with self._scans:
+            self._started += 1
+        try:
+            self._entries = self._rescan(verify_checksums, initial)
+        finally:
+            with self._scans:
+                self._finished += 1
+                self._scans.notify_all()
+
+    def _rescan(self, verify_checksums: bool, initial: bool) -> dict[str, _Entry]:
+        old = self._entries
+        new: dict[str, _Entry] = {}
+        for name in list_datasets(self.root) if self.root.is_dir() else []:
+            try:
+                st = os.stat(self.root / name / MANIFEST_NAME)
+            except FileNotFoundError:
+                continue  # removed between the listing and now
+            signature = (st.st_ino, st.st_mtime_ns, st.st_size)
+            entry = old.get(name)
+            if entry is None or entry.signature != signature:
+                # Running jobs hold the old Dataset and keep reading the old files.
+                entry = self._open(name, signature, verify_checksums)
+                self._report(name, entry, initial or name not in old)
+            new[name] = entry
+        return new
+
+    def _open(self, name: str, signature: _Signature, verify_checksums: bool) -> _Entry:
+        # A failure is kept under its signature: a damaged dataset is not re-read on every
+        # scan, only once its manifest changes (a rebuild).
         try:
             ds = open_dataset(self.root, name, verify_checksums=verify_checksums)
         except StoreError as exc:
             return _Entry(signature, None, exc)
         return _Entry(signature, ds, None)
 
-    def names(self) -> list[str]:
-        """Names of the complete datasets on disk."""
-        return list_datasets(self.root) if self.root.is_dir() else []
+    def _report(self, name: str, entry: _Entry, new: bool) -> None:
+        if entry.error is not None:
+            log.error("dataset %s is not served: %s", name, entry.error)
+            return
+        ds = entry.dataset
+        assert ds is not None
+        log.info(
+            "dataset %s %s: %d tokens, %d shards",
+            name,
+            "opened" if new else "replaced on disk, reopened",
+            ds.n_tokens,
+            len(ds.manifest.shards),
+        )
 
-    def summaries(self) -> list[dict[str, Any]]:
-        """One summary per dataset on disk, including those that fail to open."""
-        out = []
-        for name in self.names():
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.scan_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                out.append(summary(self.get(name)))
-            except StoreError as exc:
-                out.append({"name": name, "ok": False, "error": str(exc)})
-        return out
-
-    def close(self) -> None:
-        """Close every open dataset."""
-        with self._lock:
-            for entry in self._entries.values():
-                if entry.dataset is not None:
-                    entry.dataset.close()
-            self._entries.clear()
+                self.scan()
+            except Exception:  # a bug or an unreadable store: keep the last good view
+                if self._log_budget.take():
+                    log.exception("cannot rescan store %s", self.root)
 
 
 def summary(ds: Dataset) -> dict[str, Any]:
