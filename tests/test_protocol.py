@@ -1,0 +1,170 @@
+"""Wire protocol v2, one rule at a time: no sockets, just frames (see tokenfeed.protocol)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from tokenfeed import protocol
+from tokenfeed.errors import ProtocolError
+
+HELLO = protocol.Hello("alpha", 128, 8, 0, 1, 0, 0, window=4, client="c")
+EVERY = [
+    HELLO,
+    dataclasses.replace(HELLO, fingerprint="f" * 16),
+    protocol.Welcome("s", "j", "fp", 10, 2, "uint16", 4, 8, 256),
+    protocol.Get(req=1, job="j", rank=0, pos=0, count=1, stride=1),
+    protocol.Chunk(req=1, rows=2, cols=3, dtype="uint16", provenance=("window", "epoch")),
+    protocol.Err(code="internal", message="m", retry=False, req=-1),
+    protocol.Ping(),
+    protocol.Pong(),
+    protocol.Bye(),
+]
+
+
+def fields(msg: protocol.Message) -> dict[str, Any]:
+    out: dict[str, Any] = msgpack.unpackb(msg.header())
+    return out
+
+
+def packed(obj: object) -> bytes:
+    raw: bytes = msgpack.packb(obj)
+    return raw
+
+
+@pytest.mark.parametrize("msg", EVERY, ids=lambda m: m.TYPE)
+def test_every_message_round_trips(msg: protocol.Message) -> None:
+    assert protocol.decode_header(msg.header()) == msg
+
+
+def test_v1_peers_are_refused_with_what_to_do() -> None:
+    v1 = {**fields(HELLO), "v": 1}
+    with pytest.raises(ProtocolError, match=r"version 1 .*install matching versions"):
+        protocol.decode_header(packed(v1))
+    assert fields(HELLO)["v"] == protocol.VERSION == 2
+
+
+def test_optional_field_left_out_at_its_default_and_filled_in() -> None:
+    assert "fingerprint" not in fields(HELLO)  # an older v2 server never sees it unused
+    with_fp = dataclasses.replace(HELLO, fingerprint="abc")
+    assert fields(with_fp)["fingerprint"] == "abc"
+    decoded = protocol.decode_header(HELLO.header())
+    assert isinstance(decoded, protocol.Hello) and decoded.fingerprint == ""
+
+
+def test_missing_required_field_is_named() -> None:
+    raw = fields(HELLO)
+    del raw["seq_len"]
+    with pytest.raises(ProtocolError, match=r"missing fields \['seq_len'\]"):
+        protocol.decode_header(packed(raw))
+
+
+def test_unknown_fields_are_refused_naming_them() -> None:
+    raw = {**fields(HELLO), "schedule": [1, 2]}
+    with pytest.raises(ProtocolError, match=r"unexpected fields \['schedule'\].*newer"):
+        protocol.decode_header(packed(raw))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("seq_len", True, "integer"),  # bool is not an int on the wire
+        ("seq_len", -2, "integer"),
+        ("seq_len", 2**63, "not valid msgpack|integer"),
+        ("seq_len", 1.5, "integer"),
+        ("dataset", 7, "string"),
+        ("fingerprint", [1], "string"),
+    ],
+)
+def test_scalar_types_and_ranges(field: str, value: object, match: str) -> None:
+    raw = {**fields(HELLO), field: value}
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode_header(packed(raw))
+
+
+def test_list_values_are_typed_item_by_item() -> None:
+    raw = fields(EVERY[4])
+    assert protocol.decode_header(packed(raw)) == EVERY[4]
+    with pytest.raises(ProtocolError, match=r"chunk.provenance\[1\] must be a string"):
+        protocol.decode_header(packed({**raw, "provenance": ["window", 3]}))
+    with pytest.raises(ProtocolError, match="must be a list"):
+        protocol.decode_header(packed({**raw, "provenance": "window"}))
+
+
+def test_sizes_are_bounded_before_unpacking() -> None:
+    raw = fields(EVERY[4])
+    too_many = {**raw, "provenance": ["x"] * (protocol.MAX_ITEMS + 1)}
+    with pytest.raises(ProtocolError, match="max_array_len"):
+        protocol.decode_header(packed(too_many))
+    big_map = {**raw, **{f"k{i}": 0 for i in range(protocol.MAX_ITEMS)}}
+    with pytest.raises(ProtocolError, match="max_map_len"):
+        protocol.decode_header(packed(big_map))
+    with pytest.raises(ProtocolError, match="max_str_len"):
+        protocol.decode_header(packed({**fields(HELLO), "client": "x" * (protocol.MAX_STR + 1)}))
+    with pytest.raises(ProtocolError, match=f"exceeds {protocol.MAX_HEADER_BYTES}"):
+        protocol.decode_header(b"\x80" * (protocol.MAX_HEADER_BYTES + 1))
+    # A header near the cap that obeys every other bound decodes: the cap is not 4 KiB.
+    near = {**raw, "provenance": [f"{i:0>40}" for i in range(protocol.MAX_ITEMS)]}
+    assert 40_000 < len(packed(near)) <= protocol.MAX_HEADER_BYTES
+    assert len(protocol.decode_header(packed(near)).provenance) == protocol.MAX_ITEMS  # type: ignore[attr-defined]
+
+
+def test_nesting_is_bounded() -> None:
+    deep = b"\x91" * 5000 + b"\x01"  # [[[[...1...]]]] five thousand deep
+    raw = fields(HELLO)
+    with pytest.raises(ProtocolError, match="not valid msgpack"):
+        protocol.decode_header(packed({**raw, "v": 2})[:-1] + deep)
+    with pytest.raises(ProtocolError, match="must be a string"):
+        protocol.decode_header(packed({**raw, "client": [[[["x"]]]]}))
+    assert protocol.MAX_DEPTH >= 1
+    for hints in protocol._HINTS.values():  # every declared field type is within the bound
+        for hint in hints.values():
+            assert protocol._depth(hint) <= protocol.MAX_DEPTH
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [packed([1, 2]), packed("hello"), b"\xc1", packed({"v": 2}), packed({"v": 2, "t": "nope"})],
+)
+def test_not_a_message(frame: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode_header(frame)
+
+
+def chunk(rows: dict[str, np.ndarray]) -> tuple[protocol.Chunk, list[Any]]:
+    tokens = np.arange(12, dtype="<u2").reshape(3, 4)
+    frames = protocol.chunk_frames(7, tokens, rows)
+    header = protocol.decode_header(frames[0])
+    assert isinstance(header, protocol.Chunk)
+    return header, [bytes(memoryview(f)) for f in frames[1:]]
+
+
+def test_provenance_rows_are_named_and_can_grow() -> None:
+    window, epoch = np.array([5, 6, 7]), np.array([0, 0, 1])
+    header, payload = chunk({"window": window, "epoch": epoch, "source": np.array([2, 0, 1])})
+    assert header.provenance == ("window", "epoch", "source")
+    tokens, rows = protocol.decode_chunk(header, payload)
+    assert tokens.tolist() == np.arange(12).reshape(3, 4).tolist()
+    # a reader takes the rows it knows and ignores a newer one
+    got = protocol.require_rows(rows, protocol.ROW_WINDOW, protocol.ROW_EPOCH)
+    assert [r.tolist() for r in got] == [[5, 6, 7], [0, 0, 1]]
+    with pytest.raises(ProtocolError, match=r"lacks provenance rows \['epoch'\]"):
+        protocol.require_rows({"window": window}, "window", "epoch")
+
+
+def test_chunk_payload_sizes_are_checked() -> None:
+    header, (tokens, meta) = chunk({"window": np.zeros(3), "epoch": np.zeros(3)})
+    with pytest.raises(ProtocolError, match="2 payload frames"):
+        protocol.decode_chunk(header, [tokens])
+    with pytest.raises(ProtocolError, match="token frame"):
+        protocol.decode_chunk(header, [tokens[:-2], meta])
+    with pytest.raises(ProtocolError, match="provenance frame"):
+        protocol.decode_chunk(header, [tokens, meta[:-8]])
+    with pytest.raises(ProtocolError, match="distinct"):
+        protocol.decode_chunk(dataclasses.replace(header, provenance=("w", "w")), [tokens, meta])
+    with pytest.raises(ProtocolError, match="dtype"):
+        protocol.decode_chunk(dataclasses.replace(header, dtype="float32"), [tokens, meta])
