@@ -14,7 +14,9 @@ With CURVE, the client's key pair is derived from its token (see
 :func:`tokenfeed.client.curve_keypair_from_token`), so the same token identifies the
 tenant: the server only needs the public key that each token implies.
 
-Tenants file (TOML)::
+Tenants file (TOML), read against one strict schema (:class:`TenantsFile`): an unknown
+key, a wrong type or a bad value anywhere stops the server at start, naming the tenant and
+the field::
 
     admin_token_sha256 = "..."        # optional: sees every job over HTTP
 
@@ -37,9 +39,12 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import zmq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
+from zmq.utils import z85
 
 from tokenfeed.client import curve_keypair_from_token
 from tokenfeed.errors import ConfigError, DatasetForbidden, ServerError
@@ -87,33 +92,38 @@ class Tenants:
     @classmethod
     def shared_token(cls, token: str, admin_token: str | None = None) -> Tenants:
         """One tenant, ``default``, that reads every dataset with a single shared token."""
-        tenant = _tenant(name="default", token=token, datasets=("*",))
+        tenant = _tenant(TenantEntry(name="default", token=token, datasets=["*"]))
         return cls([tenant], token_digest(admin_token) if admin_token else None)
 
     @classmethod
     def load(cls, path: Path, admin_token: str | None = None) -> Tenants:
-        """Read a tenants file; errors name the file and the entry."""
+        """Read and validate a tenants file; every refusal names the file, tenant and field."""
         try:
             data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except OSError as exc:
             raise ConfigError(f"cannot read tenants file {path}: {exc}") from None
-        tenants = []
-        for i, entry in enumerate(data.get("tenant", [])):
-            try:
-                tenants.append(_tenant(**entry))
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{path}: [[tenant]] #{i + 1}: {exc}") from None
-        if not tenants:
-            raise ConfigError(f"{path} defines no [[tenant]] entries")
-        names = [t.name for t in tenants]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"{path}: tenant names must be unique")
-        digests = [t.token_sha256 for t in tenants]
-        if len(set(digests)) != len(digests):
-            raise ConfigError(f"{path}: two tenants share a token; give each its own")
-        admin = data.get("admin_token_sha256")
-        if admin_token:
-            admin = token_digest(admin_token)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"tenants file {path}: not valid TOML: {exc}") from None
+        try:
+            parsed = TenantsFile.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(f"tenants file {path}: {_explain(exc, data)}") from None
+        tenants = [_tenant(entry) for entry in parsed.tenant]
+        seen: dict[str, Tenant] = {}
+        for tenant in tenants:
+            if tenant.name in seen:
+                raise ConfigError(
+                    f"tenants file {path}: tenant {tenant.name!r}: name: used by two tenants; "
+                    "names must be unique"
+                )
+            for other in seen.values():
+                if other.token_sha256 == tenant.token_sha256:
+                    raise ConfigError(
+                        f"tenants file {path}: tenant {tenant.name!r}: token: the same token as "
+                        f"tenant {other.name!r}; give each tenant its own"
+                    )
+            seen[tenant.name] = tenant
+        admin = token_digest(admin_token) if admin_token else parsed.admin_token_sha256
         return cls(tenants, admin)
 
     def authenticate(self, token: str) -> Tenant | None:
@@ -158,36 +168,120 @@ class Tenants:
         return tenant.max_connections if tenant else None
 
 
-def _tenant(
-    *,
-    name: str,
-    token: str | None = None,
-    token_sha256: str | None = None,
-    datasets: Iterable[str] = (),
-    max_connections: int | None = None,
-    weight: float = 1.0,
-) -> Tenant:
-    if not name or not isinstance(name, str):
-        raise ValueError("name is required")
-    if (token is None) == (token_sha256 is None):
-        raise ValueError(f"tenant {name!r}: give exactly one of token or token_sha256")
-    if token is not None and len(token) < 16:
-        raise ValueError(f"tenant {name!r}: tokens must be at least 16 characters")
-    if token_sha256 is not None and (
-        len(token_sha256) != 64 or any(c not in "0123456789abcdef" for c in token_sha256)
-    ):
-        raise ValueError(f"tenant {name!r}: token_sha256 must be 64 lowercase hex digits")
-    if not float(weight) > 0:
-        raise ValueError(f"tenant {name!r}: weight must be > 0")
-    if max_connections is not None and max_connections < 1:
-        raise ValueError(f"tenant {name!r}: max_connections must be >= 1")
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+NamePattern = Annotated[str, Field(min_length=1)]
+
+
+class TenantEntry(BaseModel):
+    """One ``[[tenant]]`` table as written. Strict: TOML has exact types, so none is coerced."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    name: str = Field(min_length=1)
+    token: str | None = Field(default=None, min_length=16, repr=False)
+    token_sha256: Sha256Hex | None = None
+    # a list, never a string: "web-*" read letter by letter would grant "*"
+    datasets: list[NamePattern] = Field(default_factory=list)
+    max_connections: int | None = Field(default=None, ge=1)
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_token(self) -> TenantEntry:
+        if (self.token is None) == (self.token_sha256 is None):
+            raise ValueError("give exactly one of token or token_sha256")
+        return self
+
+
+class TenantsFile(BaseModel):
+    """The whole tenants file; no key outside this schema is accepted, at any level."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    admin_token_sha256: Sha256Hex | None = None
+    tenant: list[TenantEntry] = Field(min_length=1)
+
+
+#: what each field must be, in the words of the refusal
+_EXPECTED = {
+    "name": "a non-empty string",
+    "token": "a string of at least 16 characters",
+    "token_sha256": "64 lowercase hex digits (the SHA-256 of the token)",
+    "admin_token_sha256": "64 lowercase hex digits (the SHA-256 of the admin token)",
+    "datasets": "a list of name patterns",
+    "max_connections": "an integer >= 1",
+    "weight": "a number > 0",
+    "tenant": "a list of [[tenant]] tables",
+}
+#: never echoed, not even in part
+_SECRET = {"token", "token_sha256", "admin_token_sha256"}
+
+
+def _explain(error: ValidationError, data: dict[str, Any]) -> str:
+    """The first problem in one line: ``tenant 'alice': datasets: must be ..., got a string``."""
+    # a misspelt key explains the field it left missing: name it first
+    first = min(error.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    loc = first["loc"]
+    if loc and loc[0] == "tenant" and len(loc) >= 2 and isinstance(loc[1], int):
+        where = _tenant_label(data, loc[1])
+        field = loc[2] if len(loc) > 2 else None
+    else:
+        where, field = None, loc[0] if loc else None
+    prefix = f"{where}: " if where else ""
+    if field is None:  # the tenant table as a whole
+        if first["type"] in ("model_type", "model_attributes_type"):
+            return f"{prefix}must be a table, got {_kind(first['input'])}"
+        return prefix + first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        known = TenantEntry.model_fields if where else TenantsFile.model_fields
+        return f"{prefix}{field}: unknown key (known: {', '.join(known)})"
+    if first["type"] == "missing":
+        if field == "tenant":
+            return "defines no [[tenant]] entries"
+        return f"{prefix}{field}: required"
+    if field == "tenant" and first["type"] == "too_short":
+        return "defines no [[tenant]] entries"
+    return (
+        f"{prefix}{field}: must be {_EXPECTED.get(str(field), 'valid')}, got {_got(first, field)}"
+    )
+
+
+def _tenant_label(data: dict[str, Any], index: int) -> str:
+    entries = data.get("tenant")
+    entry = entries[index] if isinstance(entries, list) and index < len(entries) else None
+    name = entry.get("name") if isinstance(entry, dict) else None
+    return f"tenant {name!r}" if isinstance(name, str) and name else f"tenant #{index + 1}"
+
+
+def _got(error: ErrorDetails, field: object) -> str:
+    value = error["input"]
+    nested = len(error["loc"]) > 3  # an item inside a list, e.g. one of the datasets
+    if nested:
+        return f"{_kind(value)} at position {int(error['loc'][3]) + 1}"
+    if field in _SECRET and isinstance(value, str) and value:
+        return f"a string of {len(value)} characters"
+    if error["type"].endswith("_type") or field in _SECRET:
+        return _kind(value)
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, str):
+        return "a string" if value else "an empty string"
+    for kind, words in ((bool, "a boolean"), (int, "an integer"), (float, "a number"),
+                        (list, "a list"), (dict, "a table")):  # fmt: skip
+        if isinstance(value, kind):
+            return words
+    return f"a {type(value).__name__}"
+
+
+def _tenant(entry: TenantEntry) -> Tenant:
     return Tenant(
-        name=name,
-        token_sha256=token_sha256 or token_digest(token or ""),
-        datasets=tuple(datasets),
-        max_connections=max_connections,
-        weight=float(weight),
-        curve_public_key=curve_keypair_from_token(token)[0] if token else None,
+        name=entry.name,
+        token_sha256=entry.token_sha256 or token_digest(entry.token or ""),
+        datasets=tuple(entry.datasets),
+        max_connections=entry.max_connections,
+        weight=entry.weight,
+        curve_public_key=curve_keypair_from_token(entry.token)[0] if entry.token else None,
     )
 
 
@@ -233,7 +327,7 @@ class ZapHandler:
             except UnicodeDecodeError:
                 tenant = None
         elif mechanism == b"CURVE" and len(credentials) == 1:
-            tenant = self.tenants.authenticate_curve(zmq.utils.z85.encode(credentials[0]))
+            tenant = self.tenants.authenticate_curve(z85.encode(credentials[0]))
         if tenant is None:
             self.refused += 1
             # the address only: the presented credentials never reach the log

@@ -1,31 +1,43 @@
 """``tokenfeed-server``: the operator's command line.
 
 Each subcommand has an ``_add_<name>(subparsers)`` function that declares its arguments
-and sets its handler; :func:`main` only parses and dispatches. Errors of the tokenfeed
-tree print one line to stderr and exit 2; nothing reads the environment at import time.
+and sets its handler; :func:`main` only parses and dispatches. Settings (flags and their
+``TOKENFEED_*`` twins) are declared once in :mod:`tokenfeed_server.config`. Errors of the
+tokenfeed tree print one line to stderr and exit 2; nothing reads the environment at import
+time.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
 
-from tokenfeed.errors import TokenFeedError
+from pydantic import BaseModel, ValidationError
+
+from tokenfeed.errors import ConfigError, TokenFeedError
+from tokenfeed_server import config as settings
 
 __all__ = ["main"]
 
 EXIT_ERROR = 2
 Handler = Callable[[argparse.Namespace], int]
+Model = TypeVar("Model", bound=BaseModel)
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TOKENFEED_{name}", default)
+def _settings(model: type[Model], args: argparse.Namespace) -> Model:
+    """``model`` from flags > environment > defaults: the one place where a bad value of
+    either becomes a ConfigError (one line naming the flag, its twin and the valid range)."""
+    try:
+        return settings.load(model, args)
+    except ValidationError as exc:
+        raise ConfigError(settings.explain(exc, model)) from None
 
 
 # ---------------------------------------------------------------------------- prepare
@@ -40,56 +52,36 @@ def _add_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     p.add_argument("inputs", nargs="*", type=Path, metavar="INPUT")
     p.add_argument("--demo", action="store_true", help="use this Python's stdlib sources")
-    p.add_argument("--store", type=Path, default=None, help="store directory (env TOKENFEED_STORE)")
-    p.add_argument("--dataset", required=True, help="dataset name")
-    p.add_argument(
-        "--tokenizer", default="byte", help="byte (default), bpe:VOCAB, or a tokenizer.json"
-    )
-    p.add_argument("--eos-token", default=None, help="EOS token of a tokenizer.json")
-    p.add_argument("--seed", type=int, default=0, help="seed of the global pre-shuffle")
-    p.add_argument("--text-field", default="text", help="JSONL field / parquet column")
-    p.add_argument("--skip-bad", action="store_true", help="skip and count bad records")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
-    p.add_argument("--memory-mb", type=float, default=None, help="memory budget (512)")
-    p.add_argument(
-        "--workers", type=int, default=0, help="tokenizer processes (0: auto, in-process)"
-    )
-    p.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    settings.add_arguments(p, settings.PrepareSettings)
     p.set_defaults(handler=_run_prepare)
-
-
-def _store_arg(value: Path | None) -> Path:
-    if value is not None:
-        return value
-    env = os.environ.get("TOKENFEED_STORE")
-    if env:
-        return Path(env)
-    raise TokenFeedError("no store given: pass --store DIR or set TOKENFEED_STORE")
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
     from tokenfeed_server.prepare import PrepareConfig, PrepareStats, demo_corpus_paths, prepare
 
+    s = _settings(settings.PrepareSettings, args)
     if args.demo and args.inputs:
         raise TokenFeedError("give INPUT files or --demo, not both")
     inputs = tuple(demo_corpus_paths()) if args.demo else tuple(args.inputs)
     if not inputs:
         raise TokenFeedError("no INPUT given (or pass --demo for the built-in demo corpus)")
+    # the training cap reaches prepare once its PrepareConfig has the field
+    extra = {"bpe_train_mb": s.bpe_train_mb} if _has_field(PrepareConfig, "bpe_train_mb") else {}
     config = PrepareConfig(
         inputs=inputs,
-        store=_store_arg(args.store),
-        dataset=args.dataset,
-        tokenizer=args.tokenizer,
-        seed=args.seed,
-        text_field=args.text_field,
-        skip_bad=args.skip_bad,
-        overwrite=args.overwrite,
-        memory_mb=args.memory_mb or float(_env("PREPARE_MEMORY_MB", "512")),
-        workers=args.workers,
-        shard_tokens=args.shard_tokens,
-        eos_token=args.eos_token,
-        progress=False if args.no_progress else None,
+        store=s.store,
+        dataset=s.dataset,
+        tokenizer=s.tokenizer,
+        seed=s.seed,
+        text_field=s.text_field,
+        skip_bad=s.skip_bad,
+        overwrite=s.overwrite,
+        memory_mb=s.memory_mb,
+        workers=s.workers,
+        shard_tokens=s.shard_tokens,
+        eos_token=s.eos_token,
+        progress=False if s.no_progress else None,
+        **extra,
     )
     stats = PrepareStats()
     manifest = prepare(config, stats)
@@ -102,6 +94,10 @@ def _run_prepare(args: argparse.Namespace) -> int:
     if c.bad_records:
         print(f"warning: skipped {c.bad_records} bad record(s)", file=sys.stderr)
     return 0
+
+
+def _has_field(cls: type, name: str) -> bool:
+    return any(f.name == name for f in dataclasses.fields(cls))
 
 
 # ---------------------------------------------------------------------------- inspect
@@ -147,23 +143,21 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from tokenfeed_server.config import add_serve_arguments
-
     p = subparsers.add_parser(
         "serve",
         help="serve a store over ZeroMQ, with HTTP status",
         description="Serve every dataset of a store. Prints one JSON 'ready' line on stdout "
-        "once the data and HTTP ports are bound; logs go to stderr; SIGTERM stops cleanly.",
+        "once the data and HTTP ports are bound; logs go to stderr; SIGTERM stops cleanly. "
+        "Every flag has an environment twin (shown in brackets); flags win.",
     )
-    add_serve_arguments(p)
+    settings.add_arguments(p, settings.ServerConfig)
     p.set_defaults(handler=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from tokenfeed_server.config import config_from_args
+    config = _settings(settings.ServerConfig, args)  # refused before the heavy imports
     from tokenfeed_server.server import serve
 
-    config = config_from_args(args, os.environ)
     logging.getLogger().setLevel(config.log_level.upper())
     return serve(config)
 

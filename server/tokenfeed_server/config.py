@@ -1,77 +1,149 @@
-"""The server's one configuration object, built once at the edge (the CLI) and passed down.
+"""The settings layer: one declaration per setting, and the typed objects built from them.
 
-Precedence is flags > ``TOKENFEED_*`` environment variables > the defaults below; the CLI
-does the merging, so nothing here reads the environment.
+Each setting is declared once, as a field of a frozen pydantic model (type, valid range,
+help, default). From that declaration come its command-line flag (``--<name>``), its
+environment twin (``TOKENFEED_<NAME>``, or ``TOKENFEED_PREPARE_<NAME>`` for prepare), the
+default and the range that ``--help`` shows. :func:`add_arguments` declares the flags of
+a model; :func:`load` merges flags > environment > defaults (pydantic-settings: values given
+at construction beat the environment) and returns the model, validated. The CLI is the one
+place that turns a refusal into a :class:`~tokenfeed.errors.ConfigError` (with
+:func:`explain`: one line naming the flag, its twin and the valid range).
+
+Only :func:`load` reads the environment: a :class:`ServerConfig` built in Python is exactly
+what its arguments say.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import ipaddress
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, cast, get_args, get_origin
 
-from tokenfeed.errors import ConfigError
+import annotated_types
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+__all__ = [
+    "DEFAULT_HTTP_PORT",
+    "DEFAULT_ZMQ_PORT",
+    "Limits",
+    "PrepareSettings",
+    "ServerConfig",
+    "Setting",
+    "Spelling",
+    "add_arguments",
+    "explain",
+    "load",
+    "settings_of",
+]
 
 DEFAULT_ZMQ_PORT = 7400
 DEFAULT_HTTP_PORT = 7401
 
+Model = TypeVar("Model", bound=BaseModel)
+
 
 @dataclass(frozen=True)
-class Limits:
+class Spelling:
+    """Field metadata: a flag or variable name other than the one the field's name gives."""
+
+    flag: str | None = None
+    env: str | None = None
+
+
+def _lower(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value
+
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+LogLevel = Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)]
+
+
+class Limits(BaseModel):
     """What one client may ask of the server. Beyond any of these: an ``err`` naming it."""
 
-    #: largest inbound ZeroMQ message; larger ones drop the connection inside libzmq
-    max_message_bytes: int = 64 * 1024
-    #: most requests one connection may have outstanding (its credit window)
-    max_window: int = 16
-    #: largest chunk one request may produce
-    max_chunk_bytes: int = 16 * 1024 * 1024
-    #: largest batch of one rank, in tokens (batch_size * (seq_len + 1))
-    max_batch_tokens: int = 1 << 24
-    #: connections attached at once, in total and per tenant
-    max_connections: int = 4096
-    max_connections_per_tenant: int = 1024
-    #: jobs known at once; idle ones are forgotten first to make room
-    max_jobs: int = 256
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_message_bytes: int = Field(
+        default=64 * 1024,
+        ge=1,
+        description="largest inbound message; libzmq drops a sender of more",
+    )
+    max_window: int = Field(
+        default=16, ge=1, description="requests one connection may have in flight"
+    )
+    max_chunk_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1, description="largest chunk one request may produce"
+    )
+    max_batch_tokens: int = Field(
+        default=1 << 24, ge=1, description="largest batch of one rank in tokens (batch*(seq_len+1))"
+    )
+    max_connections: int = Field(default=4096, ge=1, description="connections attached at once")
+    max_connections_per_tenant: int = Field(
+        default=1024, ge=1, description="connections one tenant may have attached at once"
+    )
+    max_jobs: int = Field(
+        default=256, ge=1, description="jobs known at once; idle ones are forgotten first"
+    )
 
     def as_dict(self) -> dict[str, int]:
         """The limits as a plain mapping (for /v1/limits and the start-up log)."""
-        return dataclasses.asdict(self)
+        return {name: int(value) for name, value in self.model_dump().items()}
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything ``tokenfeed-server serve`` needs."""
+class ServerConfig(BaseModel):
+    """Everything ``tokenfeed-server serve`` needs; built once at the edge, then read-only."""
 
-    store: Path
-    host: str = "127.0.0.1"
-    zmq_port: int = DEFAULT_ZMQ_PORT
-    http_port: int = DEFAULT_HTTP_PORT
-    limits: Limits = field(default_factory=Limits)
-    #: target size of one chunk; the server tells clients how many batches fit in it
-    chunk_bytes: int = 1 << 20
-    #: a connection silent for this long is forgotten (its queued requests dropped)
-    peer_timeout_s: float = 60.0
-    #: a job with no connection for this long disappears from /v1/jobs
-    job_ttl_s: float = 600.0
-    verify_checksums: bool = False
-    log_level: str = "info"
-    #: TOML file of tenants (tokens, datasets, caps, weights); see tokenfeed_server.auth
-    tenants_file: Path | None = None
-    #: one shared token for every client (instead of a tenants file); a secret
-    token: str | None = field(default=None, repr=False)
-    #: token that sees every job and dataset over HTTP; a secret
-    admin_token: str | None = field(default=None, repr=False)
-    #: serve without authentication on a non-loopback address (loudly)
-    insecure: bool = False
-    #: file with the server's CURVE secret key (``tokenfeed-server keygen``): encrypts
-    curve_secret_key_file: Path | None = None
-    #: cap on the tokens the server sends per second, 0 for none (shares a busy box)
-    max_tokens_per_s: int = 0
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    #: environment twins are this prefix + the field's name in capitals
+    ENV_PREFIX: ClassVar[str] = "TOKENFEED_"
+
+    store: Path = Field(description="store directory")
+    host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        description="address to listen on (a token is required unless loopback)",
+    )
+    zmq_port: Port = Field(default=DEFAULT_ZMQ_PORT, description="data port (0: any free port)")
+    http_port: Port = Field(default=DEFAULT_HTTP_PORT, description="HTTP port (0: any free port)")
+    limits: Limits = Field(default=Limits())  # frozen: safe to share
+    # the server tells clients how many batches fit in one chunk of this size
+    chunk_bytes: int = Field(default=1 << 20, ge=1, description="target size of one chunk in bytes")
+    peer_timeout_s: float = Field(
+        default=60.0, gt=0, description="forget a connection silent for this many seconds"
+    )
+    job_ttl_s: float = Field(
+        default=600.0, gt=0, description="forget a job with no connection after this many seconds"
+    )
+    verify_checksums: bool = Field(
+        default=False, description="hash every shard at start-up (slow on big stores)"
+    )
+    log_level: LogLevel = Field(default="info", description="log level")
+    tenants_file: Annotated[Path | None, Spelling(flag="--tenants")] = Field(
+        default=None, description="TOML tenants file: tokens, datasets, caps, weights"
+    )
+    token: str | None = Field(
+        default=None, min_length=16, repr=False, description="one shared client token (a secret)"
+    )
+    admin_token: str | None = Field(
+        default=None, repr=False, description="token that sees every job and dataset over HTTP"
+    )
+    insecure: bool = Field(
+        default=False, description="serve without authentication on a non-loopback address (loudly)"
+    )
+    curve_secret_key_file: Annotated[Path | None, Spelling(flag="--curve-secret-key")] = Field(
+        default=None,
+        description="CURVE secret key file (tokenfeed-server keygen): encrypts traffic",
+    )
+    max_tokens_per_s: int = Field(
+        default=0, ge=0, description="cap on the tokens sent per second (0: none)"
+    )
 
     def is_loopback(self) -> bool:
         """True when the server listens on loopback only."""
@@ -105,114 +177,235 @@ class ServerConfig:
         return "token" if self.token else "open"
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``tokenfeed-server serve``; each falls back to ``TOKENFEED_<FLAG>``."""
-    parser.add_argument("--store", type=Path, help="store directory [TOKENFEED_STORE]")
-    parser.add_argument("--host", help="address to listen on [TOKENFEED_HOST, 127.0.0.1]")
-    parser.add_argument(
-        "--zmq-port",
-        type=int,
-        help=f"data port, 0 = any free [TOKENFEED_ZMQ_PORT, {DEFAULT_ZMQ_PORT}]",
+class PrepareSettings(BaseModel):
+    """The settings of ``tokenfeed-server prepare`` (the CLI turns them into a PrepareConfig)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ENV_PREFIX: ClassVar[str] = "TOKENFEED_PREPARE_"
+
+    store: Annotated[Path, Spelling(env="TOKENFEED_STORE")] = Field(description="store directory")
+    dataset: str = Field(min_length=1, description="dataset name")
+    tokenizer: str = Field(
+        default="byte", min_length=1, description="byte, bpe:VOCAB, or the path of a tokenizer.json"
     )
-    parser.add_argument(
-        "--http-port",
-        type=int,
-        help=f"HTTP port, 0 = any free [TOKENFEED_HTTP_PORT, {DEFAULT_HTTP_PORT}]",
+    eos_token: str | None = Field(
+        default=None, description="EOS token of a tokenizer.json (default: found by name)"
     )
-    parser.add_argument("--chunk-bytes", type=int, help="target chunk size [1048576]")
-    parser.add_argument(
-        "--verify-checksums",
-        action="store_true",
-        default=None,
-        help="hash every shard at start-up (slow on big stores)",
+    seed: int = Field(default=0, ge=0, lt=1 << 64, description="seed of the global pre-shuffle")
+    text_field: str = Field(
+        default="text", min_length=1, description="JSONL field / parquet column"
     )
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    parser.add_argument(
-        "--peer-timeout-s", type=float, help="forget a silent connection after this long [60]"
+    skip_bad: bool = Field(default=False, description="skip and count bad records")
+    overwrite: bool = Field(default=False, description="replace an existing dataset")
+    memory_mb: float = Field(default=512.0, gt=0, description="memory budget in MiB")
+    workers: int = Field(
+        default=0, ge=0, description="tokenizer processes (0: tokenize in this process)"
     )
-    parser.add_argument(
-        "--job-ttl-s", type=float, help="forget a job with no connection after this long [600]"
+    shard_tokens: int = Field(default=1 << 26, ge=1, description="tokens per shard")
+    bpe_train_mb: float = Field(
+        default=64.0, gt=0, description="cap on the MiB of text that bpe:VOCAB is trained on"
     )
-    parser.add_argument(
-        "--tenants",
-        type=Path,
-        dest="tenants_file",
-        help="TOML tenants file [TOKENFEED_TENANTS_FILE]",
-    )
-    parser.add_argument("--token", help="one shared client token [TOKENFEED_TOKEN]")
-    parser.add_argument("--admin-token", help="HTTP admin token [TOKENFEED_ADMIN_TOKEN]")
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        default=None,
-        help="allow no authentication on a non-loopback address",
-    )
-    parser.add_argument(
-        "--curve-secret-key",
-        type=Path,
-        dest="curve_secret_key_file",
-        help="CURVE secret key file, encrypts traffic [TOKENFEED_CURVE_SECRET_KEY_FILE]",
-    )
-    parser.add_argument(
-        "--max-tokens-per-s", type=int, help="cap on tokens sent per second, 0 = none [0]"
-    )
-    for name, default in Limits().as_dict().items():
-        parser.add_argument(
-            f"--{name.replace('_', '-')}",
-            type=int,
-            dest=name,
-            help=f"limit [TOKENFEED_{name.upper()}, {default}]",
+    no_progress: bool = Field(default=False, description="no progress bar or progress lines")
+
+
+# ---------------------------------------------------------------------------- the machinery
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as the command line and the environment see it."""
+
+    #: where the value goes in the model: ``("chunk_bytes",)``, ``("limits", "max_window")``
+    path: tuple[str, ...]
+    field: FieldInfo
+    flag: str
+    env: str
+
+    @property
+    def name(self) -> str:
+        """The field's own name (also the argparse dest)."""
+        return self.path[-1]
+
+    @property
+    def secret(self) -> bool:
+        """Secrets (``repr=False``) are never echoed back in an error."""
+        return not self.field.repr
+
+    @property
+    def switch(self) -> bool:
+        """A boolean: a flag without a value (the environment says 1/0, true/false)."""
+        return self.field.annotation is bool
+
+    def metavar(self) -> str:
+        """The value's placeholder in ``--help``: ``N``, ``PATH``, ``{debug,info,...}``."""
+        kind = _without_none(self.field.annotation)
+        if get_origin(kind) is Literal:
+            return "{" + ",".join(str(v) for v in get_args(kind)) + "}"
+        return {int: "N", float: "N", Path: "PATH"}.get(kind, self.name.upper())
+
+    def valid(self) -> str:
+        """What a valid value is, in words: ``an integer in 0..65535``."""
+        return _valid(self.field)
+
+    def help(self) -> str:
+        """The ``--help`` text: the description, the twin, the range and the real default."""
+        default = self.field.get_default(call_default_factory=True)
+        if self.field.is_required():
+            shown = "required"
+        elif self.switch:
+            shown = "default off"
+        elif default is None:
+            shown = "default none"
+        else:
+            shown = f"default {default}"
+        rule = "" if self.switch else f"{self.valid()}; "
+        text = f"{self.field.description} [{self.env}; {rule}{shown}]"
+        return text.replace("%", "%%")
+
+
+@functools.cache
+def settings_of(model: type[BaseModel]) -> tuple[Setting, ...]:
+    """Every setting of ``model``; a nested model's fields are settings of their own."""
+    prefix: str = getattr(model, "ENV_PREFIX", "TOKENFEED_")
+    found = []
+    for path, field in _leaves(model):
+        spelling = next((m for m in field.metadata if isinstance(m, Spelling)), Spelling())
+        found.append(
+            Setting(
+                path=path,
+                field=field,
+                flag=spelling.flag or "--" + path[-1].replace("_", "-"),
+                env=spelling.env or prefix + path[-1].upper(),
+            )
         )
+    return tuple(found)
 
 
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
-    """Merge flags > environment > defaults into one ServerConfig."""
+def _leaves(model: type[BaseModel]) -> Iterator[tuple[tuple[str, ...], FieldInfo]]:
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            for sub, subfield in kind.model_fields.items():
+                yield (name, sub), subfield
+        else:
+            yield (name,), field
 
-    def pick(name: str, default: Any, kind: Callable[[str], Any] = str) -> Any:
-        value = getattr(args, name, None)
-        if value is not None:
-            return value
-        raw = environ.get(f"TOKENFEED_{name.upper()}")
-        if raw is None or raw == "":
-            return default
-        try:
-            return kind(raw)
-        except ValueError:
-            raise ConfigError(f"TOKENFEED_{name.upper()}={raw!r} is not a valid {name}") from None
 
-    store = pick("store", None, Path)
-    if store is None:
-        raise ConfigError("no store given: pass --store DIR or set TOKENFEED_STORE")
-    defaults = ServerConfig(store=store)
-    limits = Limits(
-        **{name: pick(name, default, int) for name, default in Limits().as_dict().items()}
+def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """Declare one flag per setting of ``model``; an absent flag leaves no attribute."""
+    for s in settings_of(model):
+        common: dict[str, Any] = {"dest": s.name, "default": argparse.SUPPRESS, "help": s.help()}
+        if s.switch:
+            parser.add_argument(s.flag, action="store_true", **common)
+        else:
+            # the raw text goes to pydantic, so a flag and its twin are checked alike
+            parser.add_argument(s.flag, metavar=s.metavar(), **common)
+
+
+def load(model: type[Model], args: argparse.Namespace) -> Model:
+    """``model`` from flags > ``TOKENFEED_*`` environment > defaults.
+
+    Raises pydantic's ValidationError for a bad value; :func:`explain` says it in one line.
+    """
+    settings = settings_of(model)
+    given = {s.env: getattr(args, s.name) for s in settings if hasattr(args, s.name)}
+    merged = _sources(model)(**given)
+    values: dict[str, Any] = {}
+    for s in settings:
+        node = values
+        for part in s.path[:-1]:
+            node = node.setdefault(part, {})
+        node[s.name] = getattr(merged, s.name)
+    return model.model_validate(values)
+
+
+class _FlagsAndEnvironment(BaseSettings):
+    """Values given at construction (the flags) beat the environment, which beats defaults."""
+
+    model_config = SettingsConfigDict(
+        frozen=True, extra="forbid", case_sensitive=True, env_ignore_empty=True
     )
-    for name, value in limits.as_dict().items():
-        if value < 1:
-            raise ConfigError(f"limit {name} must be >= 1, got {value}")
-    return ServerConfig(
-        store=store,
-        host=pick("host", defaults.host),
-        zmq_port=pick("zmq_port", defaults.zmq_port, int),
-        http_port=pick("http_port", defaults.http_port, int),
-        limits=limits,
-        chunk_bytes=pick("chunk_bytes", defaults.chunk_bytes, int),
-        peer_timeout_s=pick("peer_timeout_s", defaults.peer_timeout_s, float),
-        job_ttl_s=pick("job_ttl_s", defaults.job_ttl_s, float),
-        verify_checksums=bool(pick("verify_checksums", False, _flag)),
-        log_level=pick("log_level", defaults.log_level),
-        tenants_file=pick("tenants_file", None, Path),
-        token=pick("token", None) or None,
-        admin_token=pick("admin_token", None) or None,
-        insecure=bool(pick("insecure", False, _flag)),
-        curve_secret_key_file=pick("curve_secret_key_file", None, Path),
-        max_tokens_per_s=pick("max_tokens_per_s", 0, int),
-    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # no .env file, no secrets directory: what is not a flag comes from the environment
+        return init_settings, env_settings
 
 
-def _flag(raw: str) -> bool:
-    if raw.lower() in {"1", "true", "yes", "on"}:
-        return True
-    if raw.lower() in {"0", "false", "no", "off"}:
-        return False
-    raise ValueError(raw)
+@functools.cache
+def _sources(model: type[BaseModel]) -> type[BaseSettings]:
+    # One flat field per setting, named by its environment variable (the variable is the
+    # validation alias, and flags are passed under the same key, so a flag replaces its twin).
+    fields: dict[str, Any] = {
+        s.name: (s.field.annotation, FieldInfo.merge_field_infos(s.field, validation_alias=s.env))
+        for s in settings_of(model)
+    }
+    return create_model(f"{model.__name__}Sources", __base__=_FlagsAndEnvironment, **fields)
+
+
+def explain(error: ValidationError, model: type[BaseModel]) -> str:
+    """One line for the first problem: ``--chunk-bytes / TOKENFEED_CHUNK_BYTES: must be ...``."""
+    by_key = {s.env: s for s in settings_of(model)} | {s.name: s for s in settings_of(model)}
+    problems = error.errors()
+    first = problems[0]
+    more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+    key = first["loc"][0] if first["loc"] else ""
+    setting = by_key.get(str(key))
+    if setting is None:  # a rule across settings; none is declared today
+        return f"invalid settings: {first['msg']}{more}"
+    where = f"{setting.flag} / {setting.env}"
+    if first["type"] == "missing":
+        return f"{where}: required (pass {setting.flag} or set {setting.env}){more}"
+    got = "" if setting.secret else f" (got {_shown(first['input'])})"
+    return f"{where}: must be {setting.valid()}{got}{more}"
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, str) and value and not any(c.isspace() for c in value):
+        return value
+    return repr(value)
+
+
+def _without_none(kind: Any) -> Any:
+    """``X`` for ``X | None`` (an optional setting is just absent), else ``kind``."""
+    if get_origin(kind) in (Union, types.UnionType):
+        return next(k for k in get_args(kind) if k is not type(None))
+    return kind
+
+
+def _valid(field: FieldInfo) -> str:
+    kind = _without_none(field.annotation)
+    if get_origin(kind) is Literal:
+        return "one of " + ", ".join(str(v) for v in get_args(kind))
+    if kind is bool:
+        return "true or false (1/0, yes/no, on/off)"
+    noun = {int: "an integer", float: "a number", Path: "a path"}.get(kind, "a string")
+    low = high = None
+    words = []
+    for rule in field.metadata:
+        if isinstance(rule, annotated_types.Ge):
+            low = rule.ge
+            words.append(f">= {rule.ge}")
+        elif isinstance(rule, annotated_types.Gt):
+            words.append(f"> {rule.gt}")
+        elif isinstance(rule, annotated_types.Le):
+            high = rule.le
+            words.append(f"<= {rule.le}")
+        elif isinstance(rule, annotated_types.Lt):
+            high = cast(int, rule.lt) - 1 if kind is int else None
+            words.append(f"< {rule.lt}")
+        elif isinstance(rule, annotated_types.MinLen):
+            if rule.min_length == 1:
+                noun = "a non-empty string"
+            else:
+                words.append(f"of at least {rule.min_length} characters")
+    if kind is int and low is not None and high is not None:
+        return f"an integer in {low}..{high}"
+    return " ".join([noun, *words])
