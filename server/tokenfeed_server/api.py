@@ -170,6 +170,19 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: _ERRORS[code] for code in codes}
 
 
+def _json_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """Errors of a route whose own answer is not JSON (FastAPI would document them with
+    the route's media type): spelled out as JSON."""
+    schema = {"$ref": "#/components/schemas/ErrorBody"}  # registered by the routes above
+    return {
+        code: {
+            "description": _ERRORS[code]["description"],
+            "content": {"application/json": {"schema": schema}},
+        }
+        for code in codes
+    }
+
+
 def create_app(state: ServerState) -> FastAPI:
     """Build the FastAPI application over a running server's state."""
     app = FastAPI(title="tokenfeed-server", version=__version__)
@@ -251,7 +264,7 @@ def create_app(state: ServerState) -> FastAPI:
             config=ConfigView.model_validate(config),
         )
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=_errors(401, 403))
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_json_errors(401, 403))
     def metrics(who: Scraper) -> Response:
         """Prometheus text exposition; its labels name tenants and datasets, so it wants the
         admin token on an authenticated server (or the shared one when there is no admin)."""
