@@ -34,7 +34,7 @@ def prepare(store: Path, corpus: Path, *, overwrite: bool = False) -> str:
         cmd.append("--overwrite")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
-    return open_dataset(store, "alpha").fingerprint
+    return str(open_dataset(store, "alpha").fingerprint)
 
 
 def corpus(root: Path, words: str) -> Path:
