@@ -4,9 +4,11 @@ job never mixes two versions of a dataset."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +16,8 @@ import pytest
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset
 from tokenfeed.errors import DatasetChanged, DatasetNotFound, ManifestError, UnknownDataset
-from tokenfeed_server.store import Store, TokenizerInfo, write_dataset
+from tokenfeed_server.store import Store, TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store.format import HEADER_SIZE
 
 BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
@@ -155,3 +158,33 @@ def test_a_replaced_dataset_is_never_mixed_into_a_running_job(tmp_path: Path) ->
         assert sum(1 for _ in dataset(srv, "d", samples=16)) == 4
     finally:
         srv.stop()
+
+
+def assert_rows_are_the_dataset(store: Path, name: str, batch: dict[str, Any]) -> None:
+    with open_dataset(store, name) as ds:
+        for row, w in zip(batch["input_ids"].numpy(), batch["window_ids"].numpy(), strict=True):
+            ref = ds.read(int(w) * 64, int(w) * 64 + 64)
+            np.testing.assert_array_equal(row, ref)
+
+
+@pytest.mark.network
+def test_a_shard_truncated_under_the_server_fails_only_its_jobs(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    write_dataset(store, "victim", docs(1), tokenizer=BYTE, shuffle_seed=0)
+    write_dataset(store, "other", docs(2), tokenizer=BYTE, shuffle_seed=0)
+    log = tmp_path / "server.log"
+    with LiveServer(store, log_path=log) as srv:
+        victim = iter(dataset(srv, "victim", chunk_bytes=1, window=1))
+        other = iter(dataset(srv, "other", chunk_bytes=1, window=1))
+        next(victim)
+        assert_rows_are_the_dataset(store, "other", next(other))
+        # Reading a memory map of this file would now kill the server with SIGBUS.
+        os.truncate(store / "victim" / "shard-000000.bin", HEADER_SIZE + 100)
+        with pytest.raises(UnknownDataset, match="'victim' cannot be read"):
+            for _ in victim:
+                pass
+        for _ in range(20):
+            assert_rows_are_the_dataset(store, "other", next(other))
+        assert srv.get("/healthz").status_code == 200
+        assert srv.proc is not None and srv.proc.poll() is None
+    assert "shard-000000.bin" in log.read_text()  # the operator's log names the file

@@ -501,7 +501,20 @@ class DataPlane:
             tokens, window_ids, epochs = assemble(
                 job.reader, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
             )
-        except Exception:  # e.g. a shard file truncated under a running server
+        except StoreError as exc:  # e.g. a shard truncated under the running server
+            if self._log_budget.take():
+                log.error("job %s: %s", job.id, exc)
+            # Only this dataset's jobs fail; the message names it, never the store's path.
+            err = protocol.Err(
+                code="unknown_dataset",
+                message=f"dataset {job.spec.dataset!r} cannot be read on the server (a shard "
+                "changed under it); the operator should check the server log and rebuild it",
+                retry=False,
+                req=req.req,
+            )
+            self._send(sock, ident, [err.header()])
+            return 0
+        except Exception:  # a bug: keep the cause in the log, let the client retry
             if self._log_budget.take():
                 log.exception("cannot assemble %s for job %s", req, job.id)
             err = protocol.Err(

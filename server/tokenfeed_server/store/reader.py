@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import re
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -55,9 +55,13 @@ def validate_dataset_name(name: str) -> str:
 
 
 class Dataset:
-    """An opened, validated dataset: read-only memmaps over its shards.
+    """An opened, validated dataset, read with ``pread`` from its shard files.
 
-    Offsets are positions in the dataset's single global token stream.
+    Offsets are positions in the dataset's single global token stream. Nothing is
+    memory-mapped: a shard truncated or damaged while the dataset is open makes a read
+    raise :class:`~tokenfeed.errors.CorruptShard` naming the dataset and the file, where
+    touching a map would kill the whole process with SIGBUS. The files stay open, so a
+    dataset replaced on disk keeps reading its old files until it is closed.
     """
 
     def __init__(self, name: str, path: Path, manifest: Manifest) -> None:
@@ -68,9 +72,10 @@ class Dataset:
         self.n_tokens = manifest.total_tokens
         self.n_documents = manifest.documents
         self.fingerprint = manifest.fingerprint
-        self._tokens: list[np.ndarray] = []
-        self._index: list[np.ndarray] = []
-        self._raw: list[np.memmap[Any, np.dtype[np.uint8]]] = []
+        self._fds: list[int] = []
+        # Closes the files when the dataset is dropped (a replaced one, its last job gone).
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._index: dict[int, np.ndarray] = {}  # shard -> its document index, read lazily
         bounds = [0]
         for shard in manifest.shards:
             bounds.append(bounds[-1] + shard.tokens)
@@ -79,21 +84,20 @@ class Dataset:
         self._bounds_list = bounds
 
     def _attach(self) -> None:
-        itemsize = self.dtype.itemsize
         for shard in self.manifest.shards:
             path = self.path / shard.name
-            _check_shard_file(path, shard, self.manifest.dtype)
-            raw = np.memmap(path, dtype=np.uint8, mode="r")
-            # Windows are read at random: readahead and fault-around would map (and
-            # count in the server's PSS) whole neighbourhoods of pages nobody asked for.
-            handle = getattr(raw, "_mmap", None)  # the mmap.mmap numpy keeps behind it
-            if handle is not None and hasattr(mmap, "MADV_RANDOM"):
-                handle.madvise(mmap.MADV_RANDOM)
-            tok_end = HEADER_SIZE + shard.tokens * itemsize
-            idx_start = index_offset(shard.tokens, itemsize)
-            self._raw.append(raw)
-            self._tokens.append(raw[HEADER_SIZE:tok_end].view(self.dtype))
-            self._index.append(raw[idx_start : idx_start + 8 * shard.documents].view("<u8"))
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise CorruptShard(f"{path}: shard file is missing; {_FIX}") from None
+            except OSError as exc:
+                raise CorruptShard(f"{path}: cannot open shard: {exc}; {_FIX}") from exc
+            self._fds.append(fd)
+            # Checked through the descriptor that will be read: no window for a swap.
+            _check_shard_file(fd, path, shard, self.manifest.dtype)
+            # Windows are read at random: readahead would pull in pages nobody asked for.
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
     def __repr__(self) -> str:
         return (
@@ -120,47 +124,62 @@ class Dataset:
             )
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the stream: a read-only view, or a copy across shards."""
+        """Tokens ``[start, stop)`` of the stream, as a new array."""
         start, stop = int(start), int(stop)
         self._check_range(start, stop)
-        k = int(np.searchsorted(self._bounds, start, side="right")) - 1
-        k = min(k, len(self._tokens) - 1)
-        base = self._bounds_list[k]
-        if stop <= self._bounds_list[k + 1]:
-            return self._tokens[k][start - base : stop - base]
         out = np.empty(stop - start, dtype=self.dtype)
-        self._copy_into(out, start, k)
+        if stop > start:
+            k = int(np.searchsorted(self._bounds, start, side="right")) - 1
+            self._read_into(out.data.cast("B"), start, k)
         return out
 
-    def _copy_into(self, out: np.ndarray, start: int, k: int) -> None:
-        """Fill ``out`` with the stream from ``start``, beginning in shard ``k``."""
-        pos, done, n = start, 0, len(out)
+    def _read_into(self, buf: memoryview, start: int, k: int) -> None:
+        """Fill ``buf`` with the stream from ``start``, beginning in shard ``k``."""
+        itemsize = self.dtype.itemsize
+        pos, done, n = start, 0, len(buf)
         while done < n:
             base, end = self._bounds_list[k], self._bounds_list[k + 1]
-            take = min(n - done, end - pos)
-            out[done : done + take] = self._tokens[k][pos - base : pos - base + take]
+            take = min(n - done, (end - pos) * itemsize)
+            self._pread(k, buf[done : done + take], HEADER_SIZE + (pos - base) * itemsize)
             done += take
-            pos += take
+            pos += take // itemsize
             k += 1
+
+    def _pread(self, k: int, buf: memoryview, offset: int) -> None:
+        try:
+            got = os.preadv(self._fds[k], [buf], offset)
+        except OSError as exc:
+            raise self._read_error(k, f"{exc.strerror or exc}") from None
+        except IndexError:
+            raise StoreError(f"dataset {self.name!r} is closed") from None
+        if got != len(buf):
+            raise self._read_error(k, f"read {got} of {len(buf)} bytes at offset {offset}")
+
+    def _read_error(self, k: int, what: str) -> CorruptShard:
+        return CorruptShard(
+            f"dataset {self.name!r}: cannot read {self.path / self.manifest.shards[k].name} "
+            f"({what}): the file changed under the server; rebuild the dataset with "
+            "tokenfeed-server prepare ... --overwrite"
+        )
 
     def gather(
         self, starts: npt.ArrayLike, length: int, out: np.ndarray | None = None
     ) -> np.ndarray:
         """Rows ``out[i] = stream[starts[i] : starts[i] + length]`` (the server's hot path).
 
-        One slice copy per row straight from the memmap; a row that crosses a shard
-        boundary is stitched from both shards. ``out``, if given, must be a C-contiguous
-        ``(len(starts), length)`` array of the store's dtype.
+        One ``pread`` per row straight into ``out``; a row that crosses a shard boundary is
+        read in two. ``out``, if given, must be a C-contiguous ``(len(starts), length)``
+        array of the store's dtype. A failed or short read raises CorruptShard.
         """
         starts_arr = np.asarray(starts, dtype=np.int64).reshape(-1)
         length = int(length)
         n = len(starts_arr)
         if out is None:
             out = np.empty((n, length), dtype=self.dtype)
-        elif out.shape != (n, length) or out.dtype != self.dtype:
+        elif out.shape != (n, length) or out.dtype != self.dtype or not out.flags.c_contiguous:
             raise ValueError(
-                f"out has shape {out.shape} and dtype {out.dtype}; expected "
-                f"{(n, length)} and {self.dtype}"
+                f"out has shape {out.shape} and dtype {out.dtype}; expected a C-contiguous "
+                f"{(n, length)} array of {self.dtype}"
             )
         if n == 0 or length == 0:
             return out
@@ -173,10 +192,11 @@ class Dataset:
                 f"window [{bad}, {bad + length}) is outside dataset {self.name!r} "
                 f"of {self.n_tokens} tokens"
             )
-        if len(self._tokens) == 1:
-            tokens = self._tokens[0]
-            for i, s in enumerate(starts_arr.tolist()):
-                out[i] = tokens[s : s + length]
+        itemsize = self.dtype.itemsize
+        row = length * itemsize
+        buf = out.data.cast("B")
+        if len(self._fds) == 1:
+            self._gather_one_shard(buf, starts_arr.tolist(), row, itemsize)
             return out
         first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
         last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
@@ -184,22 +204,47 @@ class Dataset:
         for i, (s, k, k_last) in enumerate(
             zip(starts_arr.tolist(), first.tolist(), last.tolist(), strict=True)
         ):
+            dest = buf[i * row : (i + 1) * row]
             if k == k_last:
-                base = bounds[k]
-                out[i] = self._tokens[k][s - base : s - base + length]
+                self._pread(k, dest, HEADER_SIZE + (s - bounds[k]) * itemsize)
             else:
-                self._copy_into(out[i], s, k)
+                self._read_into(dest, s, k)
         return out
+
+    def _gather_one_shard(self, buf: memoryview, starts: list[int], row: int, item: int) -> None:
+        # The common case, kept to one system call and no numpy call per row.
+        fd, preadv = self._fds[0], os.preadv
+        for i, s in enumerate(starts):
+            dest = buf[i * row : (i + 1) * row]
+            offset = HEADER_SIZE + s * item
+            try:
+                got = preadv(fd, [dest], offset)
+            except OSError as exc:
+                raise self._read_error(0, f"{exc.strerror or exc}") from None
+            if got != row:
+                raise self._read_error(0, f"read {got} of {row} bytes at offset {offset}")
+
+    def _document_index(self, k: int) -> np.ndarray:
+        index = self._index.get(k)
+        if index is None:
+            shard = self.manifest.shards[k]
+            index = np.empty(shard.documents, dtype="<u8")
+            if shard.documents:
+                offset = index_offset(shard.tokens, self.dtype.itemsize)
+                self._pread(k, index.data.cast("B"), offset)
+            self._index[k] = index
+        return index
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:
         """int64 global offsets of the documents that start in ``[start, stop)``, sorted."""
         start, stop = int(start), int(stop)
         self._check_range(start, stop)
         parts: list[np.ndarray] = []
-        for k, index in enumerate(self._index):
+        for k, shard in enumerate(self.manifest.shards):
             base, end = self._bounds_list[k], self._bounds_list[k + 1]
-            if end <= start or base >= stop or len(index) == 0:
+            if end <= start or base >= stop or shard.documents == 0:
                 continue
+            index = self._document_index(k)
             a = int(np.searchsorted(index, max(start - base, 0), side="left"))
             b = int(np.searchsorted(index, stop - base, side="left"))
             parts.append(index[a:b].astype(np.int64) + base)
@@ -221,25 +266,28 @@ class Dataset:
                 )
 
     def close(self) -> None:
-        """Drop the memmaps (views already handed out stay valid until they are freed)."""
-        self._tokens.clear()
+        """Close the shard files; reading afterwards raises StoreError."""
+        self._finalizer()
         self._index.clear()
-        self._raw.clear()
 
 
-def _check_shard_file(path: Path, shard: ShardInfo, dtype: str) -> None:
-    fix = "re-run tokenfeed-server prepare ... --overwrite to rebuild the dataset"
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+_FIX = "re-run tokenfeed-server prepare ... --overwrite to rebuild the dataset"
+
+
+def _check_shard_file(fd: int, path: Path, shard: ShardInfo, dtype: str) -> None:
     itemsize = DTYPES[dtype].itemsize
     try:
-        with path.open("rb") as f:
-            head = f.read(HEADER_SIZE)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        raise CorruptShard(f"{path}: shard file is missing; {fix}") from None
+        head = os.pread(fd, HEADER_SIZE, 0)
+        size = os.fstat(fd).st_size
     except OSError as exc:
-        raise CorruptShard(f"{path}: cannot read shard: {exc}; {fix}") from exc
+        raise CorruptShard(f"{path}: cannot read shard: {exc}; {_FIX}") from exc
     if len(head) < HEADER_SIZE:
-        raise CorruptShard(f"{path}: truncated header ({size} bytes); {fix}")
+        raise CorruptShard(f"{path}: truncated header ({size} bytes); {_FIX}")
     header = ShardHeader.unpack(head)
     problems = []
     if header.magic != MAGIC:
@@ -260,7 +308,7 @@ def _check_shard_file(path: Path, shard: ShardInfo, dtype: str) -> None:
             what = "truncated" if size < expected else "has trailing bytes"
             problems.append(f"file {what}: {size} bytes, expected {expected}")
     if problems:
-        raise CorruptShard(f"{path}: {'; '.join(problems)}; {fix}")
+        raise CorruptShard(f"{path}: {'; '.join(problems)}; {_FIX}")
 
 
 def _file_checksum(path: Path, algo: str, skip: int) -> str:
@@ -308,9 +356,13 @@ def open_dataset(
             f"{manifest_path}: {exc}; re-run tokenfeed-server prepare ... --overwrite"
         ) from exc
     dataset = Dataset(name, path, manifest)
-    dataset._attach()
-    if verify_checksums:
-        dataset.verify_checksums()
+    try:
+        dataset._attach()
+        if verify_checksums:
+            dataset.verify_checksums()
+    except BaseException:
+        dataset.close()
+        raise
     return dataset
 
 
