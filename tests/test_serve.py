@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pickle
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -17,8 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
-from tokenfeed.errors import RequestRejected, ServerUnavailable, UnknownDataset
+from tokenfeed.client import FeedClient
+from tokenfeed.errors import ProtocolError, RequestRejected, ServerUnavailable, UnknownDataset
 from tokenfeed.plan import Plan
+from tokenfeed.protocol import JobSpec
 from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
 
 pytestmark = pytest.mark.network
@@ -349,6 +353,114 @@ def test_garbage_frames_get_err_and_server_keeps_serving(server: LiveServer) -> 
     sock.close()
     ctx.term()
     assert sum(1 for _ in make(server, samples=10 * BATCH)) == 10
+
+
+def ask(server: LiveServer, *messages: bytes) -> list[protocol.Message]:
+    """Send raw header frames on one fresh connection; the decoded answer to each."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.zmq)
+    replies = []
+    try:
+        for frame in messages:
+            sock.send(frame)
+            assert sock.poll(5000), f"no answer to {frame!r}"
+            replies.append(protocol.decode_header(sock.recv_multipart()[0]))
+        sock.send(protocol.Bye().header())
+    finally:
+        sock.close(linger=500)
+        ctx.term()
+    return replies
+
+
+HELLO = protocol.Hello("alpha", SEQ, BATCH, 3, 1, 0, 0, window=2, client="raw")
+
+
+def test_v1_client_is_told_to_install_matching_versions(server: LiveServer) -> None:
+    v1 = msgpack.unpackb(HELLO.header())
+    v1["v"] = 1
+    (reply,) = ask(server, msgpack.packb(v1))
+    assert isinstance(reply, protocol.Err) and reply.code == "bad_request"
+    assert "version 1" in reply.message and "install matching versions" in reply.message
+
+
+def test_client_refuses_a_v1_server() -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    welcome = protocol.Welcome("s", "j", "f", 100, 10, "uint16", 2, 4, 0)
+    v1 = {**msgpack.unpackb(welcome.header()), "v": 1}
+
+    def old_server() -> None:
+        if router.poll(10_000):
+            ident, _ = router.recv_multipart()
+            router.send_multipart([ident, msgpack.packb(v1)])
+
+    thread = threading.Thread(target=old_server)
+    thread.start()
+    try:
+        job = JobSpec("alpha", SEQ, BATCH, 3, 1)
+        client = FeedClient(f"tcp://127.0.0.1:{port}", job, rank=0, worker=0)
+        with client, pytest.raises(ProtocolError, match="install matching versions"):
+            client.hello()
+    finally:
+        thread.join(15)
+        router.close()
+        ctx.term()
+
+
+def test_hello_with_another_builds_fingerprint_is_refused(server: LiveServer) -> None:
+    (welcome,) = ask(server, HELLO.header())
+    assert isinstance(welcome, protocol.Welcome)
+    served = welcome.fingerprint
+    same = dataclasses.replace(HELLO, fingerprint=served)
+    other = dataclasses.replace(HELLO, fingerprint="0123456789abcdef")
+    ok, refused = ask(server, same.header(), other.header())
+    assert isinstance(ok, protocol.Welcome) and ok.job == welcome.job
+    assert isinstance(refused, protocol.Err) and refused.code == "dataset_changed", refused
+    assert not refused.retry
+    assert "0123456789abcdef" in refused.message and served in refused.message
+
+
+def test_get_without_hello_is_the_quiet_unknown_job_answer(server: LiveServer) -> None:
+    """What every worker meets first after a server restart: a documented recovery path,
+    answered ``unknown_job`` (retry), counted under its own code, not logged as a fault."""
+    get = protocol.Get(req=5, job="0123456789abcdef", rank=0, pos=0, count=1, stride=1)
+    (reply,) = ask(server, get.header())
+    assert isinstance(reply, protocol.Err) and reply.code == "unknown_job" and reply.retry
+    deadline = time.monotonic() + 5
+    counters: dict[str, int] = {}
+    while not counters.get("err_unknown_job") and time.monotonic() < deadline:
+        counters = server.get("/v1/status").json()["counters"]  # refreshed at 2 Hz
+        time.sleep(0.05)
+    assert counters.get("err_unknown_job", 0) >= 1
+    assert "err_internal" not in counters
+    assert server.log_path is not None
+    assert "not attached" not in server.log_path.read_text()  # no WARNING for it
+
+
+def test_retransmits_count_resends_of_one_client_only(server: LiveServer) -> None:
+    """A new client (a new loader iteration, a rerun) asking again from its start is not a
+    retransmit; the same client re-sending a request (Lazy Pirate) is."""
+    hello = dataclasses.replace(HELLO, seed=77, client="resender")
+    (welcome,) = ask(server, hello.header())
+    assert isinstance(welcome, protocol.Welcome)
+    get = protocol.Get(req=1, job=welcome.job, rank=0, pos=0, count=1, stride=1)
+    replies = ask(server, hello.header(), get.header(), get.header())  # same client twice
+    assert [r.TYPE for r in replies] == ["welcome", "chunk", "chunk"]
+    fresh = dataclasses.replace(hello, client="next-iteration")
+    assert [r.TYPE for r in ask(server, fresh.header(), get.header())] == ["welcome", "chunk"]
+
+    def job() -> dict[str, int]:
+        jobs = server.get("/v1/jobs").json()
+        return next((j for j in jobs if j["id"] == welcome.job), {"requests": 0})
+
+    deadline = time.monotonic() + 5
+    while job()["requests"] < 3 and time.monotonic() < deadline:  # snapshot: 2 Hz
+        time.sleep(0.05)
+    assert job()["requests"] == 3 and job()["retransmits"] == 1
 
 
 def test_http_endpoints(server: LiveServer) -> None:
