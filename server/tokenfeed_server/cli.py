@@ -10,7 +10,6 @@ time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 import sys
@@ -48,7 +47,8 @@ def _add_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "prepare",
         help="tokenize a corpus into a pre-shuffled dataset in the store",
         description="Tokenize INPUT files/directories (.txt, .jsonl, .parquet, .gz/.zst) "
-        "into a globally shuffled dataset, atomically.",
+        "into a globally shuffled dataset, atomically. Every flag has an environment twin "
+        "(shown in brackets); flags win.",
     )
     p.add_argument("inputs", nargs="*", type=Path, metavar="INPUT")
     p.add_argument("--demo", action="store_true", help="use this Python's stdlib sources")
@@ -65,8 +65,6 @@ def _run_prepare(args: argparse.Namespace) -> int:
     inputs = tuple(demo_corpus_paths()) if args.demo else tuple(args.inputs)
     if not inputs:
         raise TokenFeedError("no INPUT given (or pass --demo for the built-in demo corpus)")
-    # the training cap reaches prepare once its PrepareConfig has the field
-    extra = {"bpe_train_mb": s.bpe_train_mb} if _has_field(PrepareConfig, "bpe_train_mb") else {}
     config = PrepareConfig(
         inputs=inputs,
         store=s.store,
@@ -81,7 +79,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
         shard_tokens=s.shard_tokens,
         eos_token=s.eos_token,
         progress=False if s.no_progress else None,
-        **extra,
+        bpe_train_mb=s.bpe_train_mb,
     )
     stats = PrepareStats()
     manifest = prepare(config, stats)
@@ -94,10 +92,6 @@ def _run_prepare(args: argparse.Namespace) -> int:
     if c.bad_records:
         print(f"warning: skipped {c.bad_records} bad record(s)", file=sys.stderr)
     return 0
-
-
-def _has_field(cls: type, name: str) -> bool:
-    return any(f.name == name for f in dataclasses.fields(cls))
 
 
 # ---------------------------------------------------------------------------- inspect
