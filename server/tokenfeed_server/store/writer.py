@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import os
 import secrets
@@ -44,49 +45,88 @@ __all__ = [
     "DatasetWriter",
     "clean_stale_temp_dirs",
     "make_temp_dir",
+    "release_temp_dir",
+    "remove_temp_dir",
     "write_dataset",
 ]
 
+#: The lock file a writer holds in its temp dir for its lifetime.
+LOCK_NAME = ".lock"
+_STAGING_PREFIX = ".init-"
+# temp dir -> the descriptor holding its lock, for the temp dirs of this process
+_held_locks: dict[Path, int] = {}
 # add() batches small documents so the per-document cost is a list append, not numpy calls.
 _PENDING_TOKENS = 1 << 20
 
 
 def make_temp_dir(store: str | os.PathLike[str], label: str) -> Path:
-    """Create ``<store>/.tmp-<label>-<pid>-<random>``; the pid lets a later run spot orphans."""
+    """Create ``<store>/.tmp-<label>-<pid>-<random>`` and hold its lock until released.
+
+    The directory holds a lock file, locked (``flock``) by this process from before the
+    directory appears under its temp name until :func:`release_temp_dir` or the process
+    ends, so :func:`clean_stale_temp_dirs` never removes a live writer's directory, from
+    whatever host or container it runs. The pid in the name is only for people.
+    """
     root = Path(store)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / f"{TEMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
-    path.mkdir()
+    suffix = f"{label}-{os.getpid()}-{secrets.token_hex(4)}"
+    # Built under a name the cleaner ignores, renamed once locked: no unlocked moment.
+    staging = root / f"{_STAGING_PREFIX}{suffix}"
+    staging.mkdir()
+    fd = os.open(staging / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = root / f"{TEMP_PREFIX}{suffix}"
+        os.rename(staging, path)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _held_locks[path] = fd
     return path
 
 
+def release_temp_dir(path: Path) -> None:
+    """Drop the lock of a temp dir made by :func:`make_temp_dir` (idempotent)."""
+    fd = _held_locks.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_temp_dir(path: Path) -> None:
+    """Delete a temp dir made by :func:`make_temp_dir`, then drop its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    release_temp_dir(path)
+
+
 def clean_stale_temp_dirs(store: str | os.PathLike[str]) -> list[Path]:
-    """Remove temp dirs left by writers that died (pid no longer alive on this host)."""
+    """Remove the temp dirs whose writer is gone: those whose lock can be taken.
+
+    A directory without a lock file is left alone: a dataset being published (its lock
+    file is removed just before the rename) or one from an older tokenfeed.
+    """
     root = Path(store)
     removed: list[Path] = []
     if not root.is_dir():
         return removed
     for entry in root.iterdir():
-        if not entry.name.startswith(TEMP_PREFIX) or not entry.is_dir():
+        if not entry.name.startswith(TEMP_PREFIX) or entry in _held_locks:
             continue
         try:
-            pid = int(entry.name.rsplit("-", 2)[-2])
-        except (ValueError, IndexError):
+            fd = os.open(entry / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # EWOULDBLOCK: its writer is alive
+            os.close(fd)
+            continue
+        try:  # removed while locked, so that two cleaners never race on it
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+        finally:
+            os.close(fd)
+        removed.append(entry)
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -338,12 +378,16 @@ class DatasetWriter:
                 f.write(manifest.to_json())
                 f.flush()
                 os.fsync(f.fileno())
+            # The lock file must not be published; the lock itself stays held (the open
+            # descriptor) and a cleaner leaves a temp dir without a lock file alone.
+            os.unlink(self.tmp / LOCK_NAME)
             _fsync_dir(self.tmp)
             self._publish()
         except BaseException:
             self.abort()
             raise
         self._done = True
+        release_temp_dir(self.tmp)
         return manifest
 
     def _publish(self) -> None:
@@ -377,8 +421,7 @@ class DatasetWriter:
             self._current.close()
             self._current = None
         self._pending.clear()
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        remove_temp_dir(self.tmp)
 
 
 def write_dataset(
