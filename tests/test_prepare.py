@@ -454,3 +454,54 @@ def test_demo_corpus_is_deterministic_and_capped() -> None:
     assert a == demo_corpus_paths(max_bytes=2 << 20)
     assert a and sum(p.stat().st_size for p in a) <= 2 << 20
     assert all(p.suffix in (".py", ".txt", ".rst") for p in a)
+
+
+# ---------------------------------------------------------------- memory with big documents
+
+
+def _words_text(n_chars: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    words = [letters[rng.integers(0, 26, size=int(k))].tobytes().decode()
+             for k in rng.integers(2, 9, size=2000)]  # fmt: skip
+    seps = [" "] * 12 + ["\n", ", ", ". ", "  ", "\t"]
+    picks = rng.integers(0, len(words), size=n_chars // 6)
+    spaces = rng.integers(0, len(seps), size=len(picks))
+    return "".join(words[w] + seps[s] for w, s in zip(picks.tolist(), spaces.tolist(), strict=True))
+
+
+def _peak_rss_mb(corpus: Path, store: Path, memory_mb: int) -> float:
+    """Peak RSS of a prepare run in a fresh process (bpe trained on the first 1 MB)."""
+    script = f"""
+from pathlib import Path
+from tokenfeed_server.prepare import PrepareConfig, prepare
+prepare(PrepareConfig(inputs=(Path({str(corpus)!r}),), store=Path({str(store)!r}),
+        dataset="d", tokenizer="bpe:400", bpe_train_mb=1, memory_mb={memory_mb},
+        progress=False))
+"""
+    log = store.with_suffix(".log")
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", script], stderr=err)
+        # wait4, not wait: it gives this child's own resource usage.
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, log.read_text()
+    return usage.ru_maxrss / 1024  # KiB on Linux
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss units differ")
+def test_memory_budget_holds_with_big_documents(tmp_path: Path) -> None:
+    # One 4 MB document against a 1 MB one: same tokenizer (both train on the first
+    # 1 MB), so the difference in peak RSS is what the bigger document costs. Encoded
+    # whole, it cost about 250 bytes of RSS per character (some 900 MB here).
+    memory_mb = 32
+    text = _words_text(4 << 20, seed=11)
+    small = tmp_path / "small" / "doc.txt"
+    big = tmp_path / "big" / "doc.txt"
+    for path, size in ((small, 1 << 20), (big, len(text))):
+        path.parent.mkdir()
+        path.write_text(text[:size])
+    base = _peak_rss_mb(small.parent, tmp_path / "s1", memory_mb)
+    peak = _peak_rss_mb(big.parent, tmp_path / "s2", memory_mb)
+    assert peak - base < memory_mb, f"{base:.0f} MB for 1 MB of text, {peak:.0f} MB for 4 MB"
+    assert open_dataset(tmp_path / "s2", "d").n_documents == 1

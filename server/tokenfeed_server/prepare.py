@@ -142,7 +142,9 @@ def document_keys(seed: int, first: int, count: int) -> npt.NDArray[np.uint64]:
     """
     offset = (seed * _SEED_MULT + _SEED_ADD - _GOLDEN) % (1 << 64)
     with np.errstate(over="ignore"):
-        state = np.arange(first, first + count, dtype=np.uint64) * np.uint64(_GOLDEN)
+        state: npt.NDArray[np.uint64] = np.arange(
+            first, first + count, dtype=np.uint64
+        ) * np.uint64(_GOLDEN)
         state += np.uint64(offset)
     return splitmix64(state)
 
@@ -268,19 +270,19 @@ def _chunks(texts: Iterable[str], max_bytes: int) -> Iterator[list[str]]:
 
 
 def _encoded_chunks(
-    tokenizer: Tokenizer, texts: Iterable[str], workers: int, chunk_bytes: int
+    tokenizer: Tokenizer, texts: Iterable[str], workers: int, chunk_bytes: int, call_chars: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Tokenize in order; with several workers, a bounded window of chunks in flight."""
     if workers <= 1:
         for chunk in _chunks(texts, chunk_bytes):
-            yield tokenizer.encode_batch(chunk, max_chars=chunk_bytes)
+            yield tokenizer.encode_batch(chunk, max_chars=call_chars)
         return
     # spawn, not fork: the parent may hold Rust/tqdm threads that a fork would copy mid-lock.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
         pending: deque[Any] = deque()
         for chunk in _chunks(texts, chunk_bytes):
-            pending.append(pool.apply_async(_encode_chunk, (chunk, chunk_bytes)))
+            pending.append(pool.apply_async(_encode_chunk, (chunk, call_chars)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -293,8 +295,8 @@ def _build_tokenizer(config: PrepareConfig, files: list[Path]) -> Tokenizer:
         return ByteTokenizer()
     if kind == "file":
         return HFTokenizer.from_file(arg, eos_token=config.eos_token)
-    if config.bpe_train_bytes < 1 << 20:
-        raise PrepareError(f"--bpe-train-mb must be at least 1, got {config.bpe_train_mb}")
+    if config.bpe_train_bytes <= 0:
+        raise PrepareError(f"--bpe-train-mb must be > 0, got {config.bpe_train_mb}")
     log.info(
         "training a byte-level BPE with %d entries on the first %g MB of the corpus",
         arg,
@@ -425,6 +427,9 @@ def _scatter(
     # for its sorted copy), leaving room for the interpreter's own overhead.
     bucket_bytes = budget // 4
     chunk_bytes = max(1 << 12, min(1 << 20, budget // (8 * 2 * max(workers, 1) * 4)))
+    # What one tokenizers call encodes: its encodings hold some 400 bytes per character
+    # (measured), so a call is held to about a tenth of the budget per worker.
+    call_chars = max(1 << 12, min(chunk_bytes, budget // (4096 * max(workers, 1))))
     estimated = estimate_text_bytes(files) * itemsize
     bits = _bucket_bits(estimated, bucket_bytes)
     buckets = _Buckets(directory, bits, 64 - bits, tokenizer.dtype, flush_bytes=budget // 4)
@@ -434,7 +439,7 @@ def _scatter(
     )
     doc_index = 0
     with Progress(enabled=config.progress, desc=f"prepare {config.dataset}") as progress:
-        for tokens, lengths in _encoded_chunks(tokenizer, texts, workers, chunk_bytes):
+        for tokens, lengths in _encoded_chunks(tokenizer, texts, workers, chunk_bytes, call_chars):
             keys = document_keys(config.seed, doc_index, len(lengths))
             doc_index += len(lengths)
             buckets.add(tokens, lengths, keys)

@@ -50,6 +50,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_PIECES_PER_CALL = 8
+
 BPE_EOS = "<|endoftext|>"
 # Names a tokenizer.json may use for its end-of-document token, most specific first.
 _EOS_CANDIDATES = (BPE_EOS, "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -152,16 +154,19 @@ class HFTokenizer(Tokenizer):
     def encode_batch(
         self, texts: Sequence[str], *, max_chars: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        if max_chars is None or not self.cuts_exactly:
+        if max_chars is None:
             return self._encode_whole(texts)
-        pieces: list[str] = []
-        owner: list[int] = []
-        for doc, text in enumerate(texts):
-            cut = split_text(text, max_chars)
-            pieces.extend(cut)
-            owner.extend([doc] * len(cut))
-        # Rust calls of about max_chars each: one call on a whole batch of big pieces
-        # would hold all their encodings at once.
+        pieces: Sequence[str] = texts
+        owner = np.arange(len(texts))  # the text each piece is part of
+        if self.cuts_exactly:
+            # Pieces of an eighth of a call: a call on one big document still gives every
+            # Rust thread work.
+            piece_chars = max(1, max_chars // _PIECES_PER_CALL)
+            cuts = [split_text(text, piece_chars) for text in texts]
+            pieces = [piece for cut in cuts for piece in cut]
+            owner = np.repeat(owner, [len(cut) for cut in cuts])
+        # Rust calls of about max_chars each: its encodings take some hundred bytes per
+        # character of a call (measured), whatever the Python side keeps.
         ids_parts: list[np.ndarray] = []
         piece_lengths: list[np.ndarray] = []
         start = size = 0
@@ -173,7 +178,7 @@ class HFTokenizer(Tokenizer):
                 piece_lengths.append(lengths)
                 start, size = end, 0
         lengths = np.bincount(
-            np.asarray(owner, dtype=np.int64),
+            owner,
             weights=np.concatenate(piece_lengths) if piece_lengths else None,
             minlength=len(texts),
         ).astype(np.int64)
