@@ -73,7 +73,7 @@ class TokenFeedLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         self.dataset.position = self.position
-        source = self._batches()
+        source = self._source()
         batches = stage(source, self.device) if self.device is not None else source
         step = self.dataset.global_batch
         try:
@@ -81,11 +81,11 @@ class TokenFeedLoader:
                 self.position += step
                 yield batch
         finally:
-            # A loop left early (break, exception) must not leave a receiver running.
-            if isinstance(source, _Background):
-                source.close()
+            # A loop left early (break, exception) must not leave a receiver thread or
+            # worker processes running.
+            source.close()
 
-    def _batches(self) -> Iterator[Batch]:
+    def _source(self) -> _Background | _Workers:
         if self.num_workers == 0:
             return _Background(
                 self.dataset.iter_answers(0, 1), self.dataset.convert, self.pin_memory
@@ -94,20 +94,16 @@ class TokenFeedLoader:
         # the loaded state's), and a refusal is raised here, not from inside a worker.
         self.dataset.check_server()
         packed = self.dataset.batches_per_item > 1
-        items = iter(
-            DataLoader(
-                self.dataset,
-                batch_size=None,
-                num_workers=self.num_workers,
-                # packed items hold raw tokens: pin the int64 batches made from them instead
-                pin_memory=self.pin_memory and not packed,
-                prefetch_factor=self.prefetch,
-                multiprocessing_context=self.multiprocessing_context,
-            )
+        loader = DataLoader(
+            self.dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            # packed items hold raw tokens: pin the int64 batches made from them instead
+            pin_memory=self.pin_memory and not packed,
+            prefetch_factor=self.prefetch,
+            multiprocessing_context=self.multiprocessing_context,
         )
-        if not packed:
-            return items
-        return _unpacked(items, self.pin_memory)
+        return _Workers(loader, unpack_items=packed, pin=self.pin_memory)
 
     def state_dict(self) -> dict[str, Any]:
         """The resume state: consumed stream position plus the plan inputs it belongs to."""
@@ -119,10 +115,37 @@ class TokenFeedLoader:
         self.position = self.dataset.position
 
 
-def _unpacked(items: Iterator[Batch], pin: bool) -> Iterator[Batch]:
-    for item in items:
-        for batch in unpack(item):
-            yield {k: v.pin_memory() for k, v in batch.items()} if pin else batch
+class _Workers(Iterator[Batch]):
+    """Batches from a DataLoader's worker processes, which :meth:`close` shuts down.
+
+    Torch stops the workers when its iterator is collected. After an error that is not
+    soon: the exception's traceback holds the iterator in a reference cycle, and when a
+    later loader forks its workers first, a child inherits the uncollected iterator and
+    its garbage collector runs torch's shutdown there ("AssertionError: can only test a
+    child process"). Shutting down here, when the loop ends, leaves nothing to inherit.
+    """
+
+    def __init__(self, loader: DataLoader[Batch], *, unpack_items: bool, pin: bool) -> None:
+        self._items: Iterator[Batch] = iter(loader)
+        self._unpack = unpack_items
+        self._pin = pin
+        self._ready: Iterator[Batch] = iter(())
+
+    def __next__(self) -> Batch:
+        if not self._unpack:
+            return next(self._items)
+        while True:
+            batch = next(self._ready, None)
+            if batch is not None:
+                return {k: v.pin_memory() for k, v in batch.items()} if self._pin else batch
+            self._ready = iter(unpack(next(self._items)))
+
+    def close(self) -> None:
+        """Stop the worker processes now (idempotent)."""
+        items, self._items = self._items, iter(())
+        shutdown = getattr(items, "_shutdown_workers", None)  # absent: no worker processes
+        if shutdown is not None:
+            shutdown()
 
 
 class _Background(Iterator[Batch]):
