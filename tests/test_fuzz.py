@@ -20,6 +20,7 @@ import zmq
 
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, protocol
+from tokenfeed.errors import ProtocolError
 from tokenfeed.plan import Plan
 from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
 
@@ -101,12 +102,17 @@ WEIRD: list[Any] = [
     "alpha/../x",
     "nope",
     10**18,
+    ["x"] * 2000,  # over the list bound
+    {str(i): i for i in range(2000)},  # over the map bound
+    [[[[[["deep"]]]]]],
+    {"a": [1, {"b": 2}]},
+    ("window", "epoch"),
 ]
 
 
 def mutate(rng: random.Random) -> list[bytes]:
     header = rng.choice(valid_headers())
-    kind = rng.randrange(8)
+    kind = rng.randrange(10)
     if kind == 0:  # a field gets a value of the wrong type or absurd size
         key = rng.choice(list(header))
         header[key] = rng.choice(WEIRD)
@@ -123,12 +129,33 @@ def mutate(rng: random.Random) -> list[bytes]:
         return [raw[: rng.randrange(0, len(raw))]]
     elif kind == 6:  # extra frames, some big
         return [msgpack.packb(header), rng.randbytes(rng.randrange(0, 30_000))]
-    else:  # a header over the header size limit
+    elif kind == 7:  # a string over the string bound
         header["client"] = "y" * 5000
+    elif kind == 8:  # another protocol version (a v1 peer, a future one)
+        header["v"] = rng.choice([1, 3, "2", None])
+    else:  # an optional field with a wrong or absurd value
+        header["fingerprint"] = rng.choice(WEIRD)
     try:
         return [msgpack.packb(header)]
     except (TypeError, ValueError):
         return [rng.randbytes(20)]
+
+
+def test_decoder_raises_only_protocol_errors() -> None:
+    """Every mutation either decodes to a message or raises ProtocolError: never another
+    exception type, whatever the bytes (the server maps ProtocolError to bad_request)."""
+    rng = random.Random(7)
+    outcomes: dict[str, int] = {}
+    for _ in range(20_000):
+        frames = mutate(rng)
+        try:
+            msg = protocol.decode_header(frames[0])
+        except ProtocolError:
+            outcomes["refused"] = outcomes.get("refused", 0) + 1
+        else:
+            assert protocol.decode_header(msg.header()) == msg  # what decodes re-encodes
+            outcomes["decoded"] = outcomes.get("decoded", 0) + 1
+    assert outcomes["refused"] > 10_000 and outcomes.get("decoded", 0) > 100, outcomes
 
 
 def trainer(endpoint: str, result: dict[str, Any]) -> None:
