@@ -150,7 +150,7 @@ def test_compose_validates_against_the_compose_spec() -> None:
 def test_dockerfile_server_stage() -> None:
     stages = parse_dockerfile(DOCKERFILE)
     by_name = {s.name: s for s in stages}
-    assert set(by_name) == {"build", "trainer", "server"}
+    assert set(by_name) == {"build", "trainer-build", "trainer", "server"}
     server = stages[-1]
     assert server.name == "server", "the server must be the last stage: plain `docker build`"
     assert all(s.base.startswith("python:") and s.base.endswith("-slim") for s in stages)
@@ -189,14 +189,24 @@ def test_compose_matches_the_dockerfile() -> None:
     services = spec["services"]
     assert set(services) == {"prepare", "server", "trainer"}
     stages = stages_by_name()
-    for name in services:
+    # One build per image: prepare runs the image the server service builds.
+    assert "build" not in services["prepare"]
+    assert services["prepare"]["image"] == services["server"]["image"]
+    assert services["prepare"]["pull_policy"] == "never"
+    for name in ("server", "trainer"):
         assert services[name]["build"]["dockerfile"] == "docker/Dockerfile"
-        assert services[name]["build"]["target"] in stages
+        assert services[name]["build"]["target"] == name and name in stages
+        assert services[name]["pull_policy"] == "build"  # local tags: never pulled first
 
+    # `docker compose up server` starts the server alone: nothing it depends on writes.
     server = services["server"]
-    dep = server["depends_on"]["prepare"]
-    assert dep == {"condition": "service_completed_successfully", "required": False}
-    assert services["trainer"]["depends_on"] == {"server": {"condition": "service_healthy"}}
+    assert "depends_on" not in server
+    # The demo trainer waits for a successful prepare (a failed one stops the demo) and a
+    # healthy server.
+    assert services["trainer"]["depends_on"] == {
+        "prepare": {"condition": "service_completed_successfully", "required": True},
+        "server": {"condition": "service_healthy", "required": True},
+    }
 
     env = service_env(server, {})
     image_env = stages["server"].env()
@@ -204,14 +214,33 @@ def test_compose_matches_the_dockerfile() -> None:
     assert service_env(server, {"TOKENFEED_TOKEN": "s3cret"})["TOKENFEED_TOKEN"] == "s3cret"
     assert service_env(services["trainer"], {})["TOKENFEED_TOKEN"] == "tokenfeed-demo-token"
     assert env["TOKENFEED_HOST"] == "0.0.0.0"
-    targets = {interpolate(p, {}).rsplit(":", 1)[1] for p in server["ports"]}
-    assert targets == set(stages["server"].last("EXPOSE").split())
-    assert f":{env['TOKENFEED_HTTP_PORT']}/readyz" in " ".join(server["healthcheck"]["test"])
+    # Published on loopback unless TOKENFEED_PUBLISH_ADDR opens them on purpose.
+    published = [interpolate(p, {}).split(":") for p in server["ports"]]
+    assert {addr for addr, _, _ in published} == {"127.0.0.1"}
+    assert {target for _, _, target in published} == set(stages["server"].last("EXPOSE").split())
+    opened = [interpolate(p, {"TOKENFEED_PUBLISH_ADDR": "0.0.0.0"}) for p in server["ports"]]
+    assert all(p.startswith("0.0.0.0:") for p in opened)
+    # The healthcheck is the image's (GET /readyz); compose only probes it more often.
+    assert "test" not in server["healthcheck"]
     store = image_env["TOKENFEED_STORE"]
     for name in ("prepare", "server"):
         assert [interpolate(v, {}) for v in services[name]["volumes"]] == [f"store:{store}"]
     endpoint = service_env(services["trainer"], {})["TOKENFEED_ENDPOINT"]
     assert endpoint == f"tcp://server:{env['TOKENFEED_ZMQ_PORT']}"
+
+
+def test_dockerfile_builds_without_a_registry_frontend_or_a_fixed_torch_source() -> None:
+    text = DOCKERFILE.read_text()
+    # The built-in frontend: a `syntax` directive would pull a frontend image at build time.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
+    assert "BuildKit" in text.split("\nARG ", 1)[0]  # the header says what it needs
+    stages = stages_by_name()
+    assert stages["server"].base == "python:${PYTHON_VERSION}-slim"
+    assert stages["trainer"].base == "python:${TRAINER_PYTHON_VERSION}-slim"
+    assert stages["trainer-build"].base == stages["trainer"].base
+    [torch] = [c for c in stages["trainer"].pip_commands() if any("torch" in w for w in c)]
+    assert "${TORCH_PIP_SOURCE}" in torch and not any("://" in w for w in torch)
+    assert any(a.startswith("TORCH_PIP_SOURCE=") for a in stages["trainer"].all("ARG"))
 
 
 # ---------------------------------------------------------------------------- processes
@@ -356,7 +385,7 @@ def test_compose_services_run_as_processes_in_order(
     prepare = compose_argv(spec["prepare"]["command"])
     out = run(prepare, env=prepare_env, timeout=120, cwd=tmp_path)
     assert "prepared" in out and (store / "demo" / "manifest.json").exists()
-    # Again, as `docker compose up server` does on an existing store: writes nothing.
+    # Again, as a second `docker compose up` does on an existing store: writes nothing.
     before = sorted(p.name for p in store.iterdir())
     out = run(prepare, env=prepare_env, timeout=60, cwd=tmp_path)
     assert "demo not prepared" in out and sorted(p.name for p in store.iterdir()) == before
@@ -372,11 +401,13 @@ def test_compose_services_run_as_processes_in_order(
     server = serve(cmd, server_env, tmp_path / "serve.log")
     stopping.append(server)
 
-    # The service's healthcheck, with the port the server bound: exits 0 once ready.
-    test = spec["server"]["healthcheck"]["test"]
-    assert test[0] == "CMD"
-    health = [w.replace(":7401/", f":{server.http_port}/") for w in test[1:]]
-    run(compose_argv(health), env=base, timeout=30)
+    # The image's healthcheck (the service keeps it), with the port the server bound.
+    health = json.loads(stages_by_name()["server"].last("HEALTHCHECK").split("CMD", 1)[1])
+    run(
+        compose_argv(health),
+        env={**base, "TOKENFEED_HTTP_PORT": str(server.http_port)},
+        timeout=30,
+    )
 
     # trainer: the service's command and environment, pointed at this server, few steps.
     trainer_env = {**base, **service_env(spec["trainer"], {}), "TOKENFEED_ENDPOINT": server.zmq}
