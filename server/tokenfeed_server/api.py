@@ -14,7 +14,9 @@ set to keep paths and metrics to that token's holder.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -41,8 +43,10 @@ from tokenfeed_server.api_models import (
 )
 from tokenfeed_server.auth import Tenant, Tenants, token_digest
 from tokenfeed_server.config import ServerConfig
+from tokenfeed_server.console import add_console
+from tokenfeed_server.console.apidocs import add_api_docs
 from tokenfeed_server.dataplane import DataPlane
-from tokenfeed_server.store import Store, summary
+from tokenfeed_server.store import Dataset, Store, summary
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,6 +62,7 @@ class ServerState:
         self.dataplane = dataplane
         self.tenants = tenants
         self.ready = False
+        self.started = time.time()
         #: digest of --admin-token on an open server (an authenticated one keeps it in tenants)
         self.open_admin_sha256 = (
             token_digest(config.admin_token) if tenants is None and config.admin_token else None
@@ -185,7 +190,9 @@ def _json_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 def create_app(state: ServerState) -> FastAPI:
     """Build the FastAPI application over a running server's state."""
-    app = FastAPI(title="tokenfeed-server", version=__version__)
+    # The docs pages are added by add_api_docs, from assets shipped in the package: the
+    # defaults load Swagger UI and ReDoc from a CDN, blank on an offline cluster.
+    app = FastAPI(title="tokenfeed-server", version=__version__, docs_url=None, redoc_url=None)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SnapshotCollector(state))
     app.state.tokenfeed = state
@@ -220,25 +227,48 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/datasets/{name}", responses=_errors(400, 401, 404, 409))
     def dataset(name: str, who: Reader) -> DatasetView:
         """Manifest summary of one dataset."""
-        # A tenant gets the same answer for a dataset it may not read and for one that
-        # does not exist, and never the store's message (its path and every name in it).
-        missing = f"no dataset {name!r}" + ("" if who.sees_all else " for this token")
-        if not who.sees_dataset(name):
-            raise HTTPException(404, missing)
+        return DatasetView.model_validate(summary(_open_dataset(state, name, who)))
+
+    @app.get(
+        "/v1/datasets/{name}/tokenizer.json",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "The Hugging Face `tokenizer.json` the dataset was prepared "
+                "with, byte for byte (load it with `tokenizers.Tokenizer.from_str`).",
+                "content": {"application/json": {"schema": {"type": "object"}}},
+            },
+            **_json_errors(400, 401, 404, 409),
+        },
+    )
+    def tokenizer_file(name: str, who: Reader) -> Response:
+        """The dataset's tokenizer file; a 404 for a byte-tokenized dataset says how to
+        decode its ids instead."""
+        ds = _open_dataset(state, name, who)
+        info = ds.manifest.tokenizer
+        if info.file is None:
+            raise HTTPException(404, _no_tokenizer_file(name, info.kind, info.eos_id))
         try:
-            return DatasetView.model_validate(summary(state.store.get(name)))
-        except InvalidDatasetName as exc:
-            raise HTTPException(400, str(exc)) from None
-        except DatasetNotFound as exc:
-            raise HTTPException(404, str(exc) if who.admin else missing) from None
-        except StoreError as exc:
-            raise HTTPException(409, str(exc) if who.admin else state.redact(str(exc))) from None
+            data = (ds.path / info.file).read_bytes()
+        except OSError as exc:
+            message = f"dataset {name!r}: cannot read its tokenizer file: {exc}"
+            raise HTTPException(409, message if who.admin else state.redact(message)) from None
+        digest = "blake2b-128:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+        if info.file_hash is not None and digest != info.file_hash:
+            # The dataset was replaced between its opening and this read: the store's
+            # watcher opens the new build shortly, and the client asks again.
+            raise HTTPException(409, f"dataset {name!r} is being replaced; ask again in a second")
+        return Response(
+            data,
+            media_type="application/json",
+            headers={"ETag": f'"{digest}"', "X-Tokenfeed-Fingerprint": ds.fingerprint},
+        )
 
     @app.get("/v1/jobs", responses=_errors(401))
     def jobs(who: Reader) -> list[JobView]:
         """Per job: dataset, plan inputs, workers, batches, tokens, tokens/s, position."""
         return [
-            JobView.model_validate(job)
+            JobView.model_validate({**job, **_live_figures(state.dataplane, job["id"])})
             for job in state.dataplane.snapshot["jobs"]
             if who.sees_tenant(job["tenant"])
         ]
@@ -259,6 +289,8 @@ def create_app(state: ServerState) -> FastAPI:
             version=__version__,
             server=state.dataplane.instance,
             ready=state.ready,
+            started=state.started,
+            uptime_s=round(time.time() - state.started, 1),
             connections=snap["connections"],
             counters=snap["counters"],
             config=ConfigView.model_validate(config),
@@ -270,7 +302,55 @@ def create_app(state: ServerState) -> FastAPI:
         admin token on an authenticated server (or the shared one when there is no admin)."""
         return Response(generate_latest(registry), media_type=PROMETHEUS_CONTENT_TYPE)
 
+    add_console(app)
+    add_api_docs(app)
     return app
+
+
+def _open_dataset(state: ServerState, name: str, who: Viewer) -> Dataset:
+    """The open dataset ``name``, or the HTTP error this caller may see."""
+    # A tenant gets the same answer for a dataset it may not read and for one that does
+    # not exist, and never the store's message (its path and every name in it).
+    missing = f"no dataset {name!r}" + ("" if who.sees_all else " for this token")
+    if not who.sees_dataset(name):
+        raise HTTPException(404, missing)
+    try:
+        return state.store.get(name)
+    except InvalidDatasetName as exc:
+        raise HTTPException(400, str(exc)) from None
+    except DatasetNotFound as exc:
+        raise HTTPException(404, str(exc) if who.admin else missing) from None
+    except StoreError as exc:
+        raise HTTPException(409, str(exc) if who.admin else state.redact(str(exc))) from None
+
+
+def _no_tokenizer_file(name: str, kind: str, eos_id: int) -> str:
+    """The 404 of a dataset without a tokenizer file, with the way to decode it."""
+    if kind == "byte":
+        return (
+            f"dataset {name!r} has no tokenizer file: it is byte-tokenized. Ids 0-255 are the "
+            f"UTF-8 bytes of the text and id {eos_id} ends each document (tokenizer.eos_id at "
+            f"/v1/datasets/{name}); decode with "
+            "bytes(i for i in ids if i < 256).decode('utf-8', 'replace')"
+        )
+    return (
+        f"dataset {name!r} has no tokenizer file (tokenizer kind {kind!r}, EOS id {eos_id}); "
+        "use the tokenizer it was prepared with"
+    )
+
+
+def _live_figures(dataplane: DataPlane, job_id: str) -> dict[str, Any]:
+    """Figures the snapshot lacks, read from the data plane's live job: the windows per
+    epoch of its plan and the seconds since its last request."""
+    # dict.get and attribute reads are single steps under the GIL, and the data plane only
+    # rebinds these fields: no lock is needed to read them from the HTTP thread.
+    job = dataplane.jobs.get(job_id)
+    if job is None:
+        return {}
+    return {
+        "epoch_windows": job.plan.n_windows,
+        "idle_s": round(max(0.0, time.monotonic() - job.last_active), 1),
+    }
 
 
 class _SnapshotCollector(Collector):

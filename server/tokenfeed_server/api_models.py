@@ -92,8 +92,20 @@ class JobView(_Model):
     batches_served: int = Field(description="Batches sent.")
     tokens_served: int = Field(description="Tokens sent.")
     tokens_per_s: float = Field(description="Recent rate of tokens sent per second.")
-    position: int = Field(description="Furthest stream position served (in batches).")
+    position: int = Field(
+        description="Furthest stream position served, in windows (rows) since the start of "
+        "the stream; epochs are laid end to end."
+    )
     epoch: int = Field(description="Epoch of that position.")
+    epoch_windows: int | None = Field(
+        default=None,
+        description="Windows (rows) in one epoch of this job's plan, so the end of the "
+        "current epoch is at `(epoch + 1) * epoch_windows`; null once the job is forgotten.",
+    )
+    idle_s: float | None = Field(
+        default=None,
+        description="Seconds since the job's last request; null once the job is forgotten.",
+    )
     retransmits: int = Field(description="Requests for data that was already sent once.")
     queued: int = Field(description="Requests waiting for their turn.")
     created: float = Field(description="When the job was first seen (Unix time, seconds).")
@@ -138,6 +150,8 @@ class StatusView(_Model):
     version: str = Field(description="tokenfeed-server version.")
     server: str = Field(description="Id of this server process; changes on every restart.")
     ready: bool = Field(description="True while serving.")
+    started: float = Field(description="When this server process started (Unix time, seconds).")
+    uptime_s: float = Field(description="Seconds since this server process started.")
     connections: int = Field(description="Data connections attached now.")
     counters: dict[str, int] = Field(description="Data plane event counts since start.")
     config: ConfigView = Field(description="The settings in effect.")

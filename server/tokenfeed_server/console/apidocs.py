@@ -1,0 +1,81 @@
+"""``/docs`` (Swagger UI) and ``/redoc`` (ReDoc) with every asset served by the server.
+
+FastAPI's default pages load their JavaScript, CSS, favicon and fonts from public CDNs,
+which leaves them blank on an offline cluster. This follows FastAPI's self-hosting
+recipe (``docs_url=None``, ``get_swagger_ui_html(swagger_js_url=...)``) with the files
+of the ``fastapi-offline`` distribution, which vendors Swagger UI and ReDoc; only its
+static files are used, not its app factory.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from fastapi import FastAPI, HTTPException
+from fastapi.openapi.docs import (
+    get_redoc_html,
+    get_swagger_ui_html,
+    get_swagger_ui_oauth2_redirect_html,
+)
+from fastapi.responses import HTMLResponse, Response
+
+__all__ = ["ASSETS_PATH", "add_api_docs"]
+
+#: Where the vendored assets are served.
+ASSETS_PATH = "/docs/assets"
+
+_ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+    "swagger-ui.css": "text/css; charset=utf-8",
+    "redoc.standalone.js": "text/javascript; charset=utf-8",
+    "favicon.png": "image/png",
+}
+
+
+def _read(name: str) -> bytes:
+    return resources.files("fastapi_offline").joinpath("static").joinpath(name).read_bytes()
+
+
+def add_api_docs(app: FastAPI) -> None:
+    """Add ``/docs``, ``/redoc`` and their assets to ``app`` (built with both URLs None)."""
+    files = {name: _read(name) for name in _ASSETS}  # about 3 MB, read once
+    openapi_url = app.openapi_url or "/openapi.json"
+    title = app.title
+    redirect_url = "/docs/oauth2-redirect"
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=openapi_url,
+            title=f"{title} - API",
+            oauth2_redirect_url=redirect_url,
+            swagger_js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js",
+            swagger_css_url=f"{ASSETS_PATH}/swagger-ui.css",
+            swagger_favicon_url=f"{ASSETS_PATH}/favicon.png",
+            # The default validator badge asks validator.swagger.io about the schema.
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+
+    @app.get(redirect_url, include_in_schema=False)
+    def swagger_ui_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(
+            openapi_url=openapi_url,
+            title=f"{title} - API",
+            redoc_js_url=f"{ASSETS_PATH}/redoc.standalone.js",
+            redoc_favicon_url=f"{ASSETS_PATH}/favicon.png",
+            with_google_fonts=False,
+        )
+
+    @app.get(ASSETS_PATH + "/{name}", include_in_schema=False)
+    def docs_asset(name: str) -> Response:
+        if name not in files:
+            raise HTTPException(404, f"no docs asset {name!r}")
+        return Response(
+            files[name],
+            media_type=_ASSETS[name],
+            headers={"Cache-Control": "public, max-age=86400"},
+        )

@@ -1,0 +1,259 @@
+// The tokenfeed console: reads the JSON API every few seconds and renders it.
+// Rules: every value from the API is set with textContent (never innerHTML), nothing is
+// loaded from outside the server, and the token stays in this tab's sessionStorage.
+"use strict";
+
+(() => {
+  const REFRESH_MS = 2000;
+  const HISTORY_S = 300; // the sparkline shows the last five minutes seen by this page
+  const TOKEN_KEY = "tokenfeed.token";
+  const history = new Map(); // job id -> [[seconds, tokens/s], ...]
+
+  const $ = (id) => document.getElementById(id);
+
+  /** A new element whose text (never HTML) is `text`. */
+  function el(tag, text, className) {
+    const node = document.createElement(tag);
+    if (text !== undefined && text !== null) node.textContent = String(text);
+    if (className) node.className = className;
+    return node;
+  }
+
+  const int = (n) => Number(n).toLocaleString("en-US");
+
+  function short(n) {
+    const units = [[1e12, "T"], [1e9, "G"], [1e6, "M"], [1e3, "k"]];
+    for (const [size, unit] of units) {
+      if (Math.abs(n) >= size) return (n / size).toFixed(n / size >= 100 ? 0 : 1) + unit;
+    }
+    return String(Math.round(n));
+  }
+
+  function duration(s) {
+    if (s === null || s === undefined) return "—";
+    if (s < 1) return "now";
+    if (s < 60) return `${Math.round(s)} s ago`;
+    const m = Math.floor(s / 60);
+    if (m < 60) return `${m} min ago`;
+    return `${Math.floor(m / 60)} h ${m % 60} min ago`;
+  }
+
+  function uptime(s) {
+    const d = Math.floor(s / 86400), h = Math.floor((s % 86400) / 3600);
+    const m = Math.floor((s % 3600) / 60);
+    return d ? `${d} d ${h} h` : h ? `${h} h ${m} min` : m ? `${m} min` : `${Math.floor(s)} s`;
+  }
+
+  class Unauthorized extends Error {}
+
+  async function getJSON(path) {
+    const headers = { Accept: "application/json" };
+    const token = sessionStorage.getItem(TOKEN_KEY);
+    if (token) headers.Authorization = `Bearer ${token}`;
+    const res = await fetch(path, { headers, cache: "no-store" });
+    if (res.status === 401) throw new Unauthorized(path);
+    if (!res.ok) {
+      let detail = "";
+      try { detail = (await res.json()).detail; } catch (_) { /* not JSON */ }
+      throw new Error(`${path}: HTTP ${res.status} ${detail || ""}`.trim());
+    }
+    return res.json();
+  }
+
+  function facts(target, pairs) {
+    target.replaceChildren(...pairs.map(([name, value]) => {
+      const div = el("div");
+      div.dataset.field = name;
+      div.append(el("dt", name), el("dd", value));
+      return div;
+    }));
+  }
+
+  function renderServer(status, limits) {
+    $("headline").textContent = `tokenfeed-server ${status.version} · ${status.server}`;
+    facts($("server"), [
+      ["version", status.version],
+      ["uptime", uptime(status.uptime_s)],
+      ["ready", status.ready ? "yes" : "no"],
+      ["connections", int(status.connections)],
+      ["auth", status.config.auth + (status.config.curve ? " + CURVE" : "")],
+      ["rate cap", status.config.max_tokens_per_s ? `${short(status.config.max_tokens_per_s)} tokens/s` : "none"],
+    ]);
+    if (!limits) {
+      $("limits").replaceChildren();
+      return;
+    }
+    facts($("limits"), [
+      ["max connections", int(limits.max_connections)],
+      ["per tenant", int(limits.max_connections_per_tenant)],
+      ["max jobs", int(limits.max_jobs)],
+      ["max window", int(limits.max_window)],
+      ["max batch tokens", int(limits.max_batch_tokens)],
+    ]);
+  }
+
+  /** An SVG polyline of the rates seen for one job (no HTML: built node by node). */
+  function sparkline(points) {
+    const ns = "http://www.w3.org/2000/svg";
+    const svg = document.createElementNS(ns, "svg");
+    svg.setAttribute("class", "spark");
+    svg.setAttribute("viewBox", "0 0 100 20");
+    svg.setAttribute("preserveAspectRatio", "none");
+    if (points.length < 2) return svg;
+    const t0 = points[0][0], t1 = points[points.length - 1][0];
+    const top = Math.max(...points.map((p) => p[1])) || 1;
+    const line = document.createElementNS(ns, "polyline");
+    line.setAttribute("points", points.map(([t, v]) =>
+      `${(((t - t0) / (t1 - t0 || 1)) * 100).toFixed(1)},${(19 - (v / top) * 18).toFixed(1)}`).join(" "));
+    svg.append(line);
+    return svg;
+  }
+
+  function remember(jobs) {
+    const now = Date.now() / 1000;
+    const seen = new Set();
+    for (const job of jobs) {
+      seen.add(job.id);
+      const points = history.get(job.id) || [];
+      points.push([now, job.tokens_per_s]);
+      while (points.length && now - points[0][0] > HISTORY_S) points.shift();
+      history.set(job.id, points);
+    }
+    for (const id of [...history.keys()]) if (!seen.has(id)) history.delete(id);
+  }
+
+  function cell(field, content, className) {
+    const td = el("td", typeof content === "object" ? undefined : content, className);
+    td.dataset.field = field;
+    if (typeof content === "object") td.append(...content);
+    return td;
+  }
+
+  function renderJobs(jobs) {
+    remember(jobs);
+    jobs.sort((a, b) => a.tenant.localeCompare(b.tenant) || a.dataset.localeCompare(b.dataset));
+    const rows = jobs.map((job) => {
+      const tr = el("tr");
+      tr.dataset.job = job.id;
+      tr.title = `job ${job.id}`;
+      const plan = `seq ${job.seq_len} · batch ${job.batch_size} · world ${job.world_size} · seed ${job.seed}`;
+      let progress = [el("span", "—", "muted")];
+      if (job.epoch_windows) {
+        const into = job.position - job.epoch * job.epoch_windows;
+        const bar = el("progress");
+        bar.max = job.epoch_windows;
+        bar.value = into;
+        const pct = ((100 * into) / job.epoch_windows).toFixed(1);
+        progress = [bar, el("span", `epoch ${job.epoch} · ${pct}%`, "progress-label")];
+      }
+      tr.append(
+        cell("tenant", job.tenant),
+        cell("dataset", job.dataset),
+        cell("plan", plan),
+        cell("workers", job.workers, "num"),
+        cell("position", int(job.position), "num"),
+        cell("progress", progress),
+        cell("rate", [el("span", short(job.tokens_per_s)), sparkline(history.get(job.id))], "num"),
+        cell("retransmits", int(job.retransmits), "num"),
+        cell("idle", duration(job.idle_s)),
+      );
+      return tr;
+    });
+    $("jobs").tBodies[0].replaceChildren(...rows);
+    $("jobs-empty").hidden = jobs.length > 0;
+    $("jobs-count").textContent = `(${jobs.length})`;
+  }
+
+  function renderDatasets(datasets) {
+    const rows = datasets.map((ds) => {
+      const tr = el("tr");
+      tr.dataset.dataset = ds.name;
+      if (!ds.ok) {
+        const error = cell("error", `not served: ${ds.error}`, "error");
+        error.colSpan = 5;
+        tr.append(cell("name", ds.name), error);
+        return tr;
+      }
+      const t = ds.tokenizer;
+      tr.append(
+        cell("name", ds.name),
+        cell("tokens", int(ds.tokens), "num"),
+        cell("documents", int(ds.documents), "num"),
+        cell("tokenizer", `${t.kind} · vocab ${int(t.vocab_size)} · eos ${t.eos_id}`),
+        cell("shards", ds.shards, "num"),
+        cell("created", ds.created),
+      );
+      return tr;
+    });
+    $("datasets").tBodies[0].replaceChildren(...rows);
+    $("datasets-count").textContent = `(${datasets.length})`;
+  }
+
+  function setLive(ok, text) {
+    const badge = $("live");
+    badge.className = ok ? "badge ok" : "badge bad";
+    badge.textContent = ok ? "live" : "offline";
+    $("updated").textContent = text;
+  }
+
+  function showLogin(message) {
+    $("login").hidden = false;
+    $("main").hidden = true;
+    $("logout").hidden = true;
+    $("login-error").textContent = message;
+  }
+
+  async function refresh() {
+    try {
+      const status = await getJSON("v1/status");
+      const authenticated = status.config.auth !== "open";
+      if (authenticated && !sessionStorage.getItem(TOKEN_KEY)) {
+        renderServer(status, null);
+        showLogin("");
+        setLive(true, "waiting for a token");
+        return;
+      }
+      const [limits, datasets, jobs] = await Promise.all([
+        getJSON("v1/limits"), getJSON("v1/datasets"), getJSON("v1/jobs"),
+      ]);
+      renderServer(status, limits);
+      renderJobs(jobs);
+      renderDatasets(datasets);
+      $("login").hidden = true;
+      $("main").hidden = false;
+      $("logout").hidden = !authenticated;
+      setLive(true, `updated ${new Date().toLocaleTimeString()} · every ${REFRESH_MS / 1000} s`);
+    } catch (err) {
+      if (err instanceof Unauthorized) {
+        sessionStorage.removeItem(TOKEN_KEY);
+        showLogin("The server does not accept this token.");
+      } else {
+        setLive(false, `cannot reach the server: ${err.message}`);
+      }
+    }
+  }
+
+  let timer = null;
+  async function loop() {
+    clearTimeout(timer);
+    await refresh();
+    timer = setTimeout(loop, REFRESH_MS);
+  }
+
+  function start() {
+    $("login").addEventListener("submit", (event) => {
+      event.preventDefault();
+      sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
+      $("token").value = "";
+      loop();
+    });
+    $("logout").addEventListener("click", () => {
+      sessionStorage.removeItem(TOKEN_KEY);
+      history.clear();
+      loop();
+    });
+    loop();
+  }
+
+  start();
+})();
