@@ -29,7 +29,7 @@ from tokenfeed_server.prepare import (
 )
 from tokenfeed_server.store import Dataset, list_datasets, open_dataset
 from tokenfeed_server.store.format import TEMP_PREFIX
-from tokenfeed_server.tokenizer import load_dataset_tokenizer
+from tokenfeed_server.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 CLI = [sys.executable, "-m", "tokenfeed_server.cli"]
 
@@ -74,7 +74,11 @@ def _documents(ds: Dataset) -> list[np.ndarray]:
 
 
 def _decoded(ds: Dataset) -> list[str]:
-    tok = load_dataset_tokenizer(ds.manifest.tokenizer, ds.path)
+    info = ds.manifest.tokenizer
+    tok: Tokenizer = ByteTokenizer()
+    if info.file is not None:  # the tokenizer.json stored with the dataset
+        tok = HFTokenizer.from_file(ds.path / info.file)
+    assert tok.info.eos_id == info.eos_id
     return [tok.decode(d) for d in _documents(ds)]
 
 

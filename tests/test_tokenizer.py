@@ -43,7 +43,7 @@ def test_split_text_cuts_only_before_a_space_after_non_whitespace() -> None:
     assert split_text("short", 100) == ["short"]
 
 
-@pytest.mark.parametrize("max_chars", [100, 1009, 5000])
+@pytest.mark.parametrize("max_chars", [800, 8072, 40_000])  # pieces of max_chars // 8
 def test_piecewise_encoding_equals_whole_document_encoding(
     bpe: HFTokenizer, max_chars: int
 ) -> None:
@@ -51,7 +51,7 @@ def test_piecewise_encoding_equals_whole_document_encoding(
     texts = [_text(n, seed=100 + n) for n in (3, 400, 9000, 30_000)]
     whole_ids, whole_lengths = bpe.encode_batch(texts)
     ids, lengths = bpe.encode_batch(texts, max_chars=max_chars)
-    assert len(split_text(texts[-1], max_chars)) > 1  # it really cut
+    assert len(split_text(texts[-1], max_chars // 8)) > 1  # it really cut
     assert lengths.tolist() == whole_lengths.tolist()
     assert ids.dtype == whole_ids.dtype and np.array_equal(ids, whole_ids)
     assert bpe.decode(ids[: lengths[0]]) == texts[0]

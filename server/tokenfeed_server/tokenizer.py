@@ -42,7 +42,6 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",
-    "load_dataset_tokenizer",
     "parse_spec",
     "split_text",
     "train_bpe",
@@ -384,17 +383,3 @@ def parse_spec(spec: str) -> tuple[str, Any]:
             f"tokenizer {spec!r} is neither 'byte', 'bpe:VOCAB' nor an existing tokenizer.json file"
         )
     return "file", path
-
-
-def load_dataset_tokenizer(info: TokenizerInfo, dataset_path: Path) -> Tokenizer:
-    """The tokenizer a dataset was built with (to decode its tokens)."""
-    if info.kind == "byte":
-        return ByteTokenizer()
-    if info.file is None:
-        raise PrepareError(f"dataset {dataset_path} does not store its tokenizer file")
-    tok = HFTokenizer((dataset_path / info.file).read_text(encoding="utf-8"), kind=info.kind)
-    if tok.info.eos_id != info.eos_id:
-        tok = HFTokenizer(
-            tok.json() or "", kind=info.kind, eos_token=tok._tok.id_to_token(info.eos_id)
-        )
-    return tok
