@@ -13,13 +13,25 @@ from tokenfeed import errors
 from tokenfeed.errors import TokenFeedError
 
 __version__ = "0.1.0"
-__all__ = ["TokenFeedDataset", "TokenFeedError", "TokenFeedLoader", "__version__", "errors"]
+__all__ = [
+    "TokenFeedDataset",
+    "TokenFeedError",
+    "TokenFeedLoader",
+    "__version__",
+    "errors",
+    "fetch_tokenizer",
+]
 
 if TYPE_CHECKING:
     from tokenfeed.dataset import TokenFeedDataset
     from tokenfeed.loader import TokenFeedLoader
+    from tokenfeed.tokenizer import fetch_tokenizer
 
-_LAZY = {"TokenFeedDataset": "tokenfeed.dataset", "TokenFeedLoader": "tokenfeed.loader"}
+_LAZY = {
+    "TokenFeedDataset": "tokenfeed.dataset",
+    "TokenFeedLoader": "tokenfeed.loader",
+    "fetch_tokenizer": "tokenfeed.tokenizer",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed_server import config as settings
+from tokenfeed_server.admin_cli import add_admin_commands
 
 __all__ = ["main"]
 
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(subparsers)
     _add_serve(subparsers)
     _add_keygen(subparsers)
+    add_admin_commands(subparsers)  # jobs, datasets, status: the HTTP API as tables
     return parser
 
 

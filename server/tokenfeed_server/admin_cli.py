@@ -1,0 +1,250 @@
+"""``tokenfeed-server jobs|datasets|status``: the JSON API as aligned tables.
+
+Each command reads one server's HTTP API (``--url``, default ``$TOKENFEED_URL`` or the
+local default port) with an optional bearer token (``--token``, default
+``$TOKENFEED_TOKEN``) and prints what that token may see: the same answer as the API,
+as a table, or as the API's JSON with ``--json`` for scripts. A server that cannot be
+reached, a refused token or an error answer is one line on stderr and exit status 2.
+Only the standard library speaks HTTP here; rich draws the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from tokenfeed.errors import TokenFeedError
+from tokenfeed_server.config import DEFAULT_HTTP_PORT
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+__all__ = ["add_admin_commands", "fetch_json"]
+
+DEFAULT_URL = f"http://127.0.0.1:{DEFAULT_HTTP_PORT}"
+TIMEOUT_S = 10.0
+
+
+def fetch_json(url: str, path: str, token: str | None) -> Any:
+    """GET ``url + path`` and decode its JSON; any failure is one TokenFeedError line."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise TokenFeedError(f"--url {url!r} is not an http(s) URL, e.g. {DEFAULT_URL}")
+    request = urllib.request.Request(url.rstrip("/") + path, headers={"Accept": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as answer:
+            body = answer.read()
+    except urllib.error.HTTPError as exc:
+        raise TokenFeedError(_http_error(exc, path, token)) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise TokenFeedError(
+            f"cannot reach the server at {url}: {reason}; is it running? (--url or TOKENFEED_URL)"
+        ) from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise TokenFeedError(
+            f"{url}{path} did not answer JSON: is it a tokenfeed server?"
+        ) from None
+
+
+def _http_error(exc: urllib.error.HTTPError, path: str, token: str | None) -> str:
+    try:
+        detail = str(json.loads(exc.read())["detail"])
+    except (ValueError, KeyError, TypeError, OSError):
+        detail = exc.reason
+    if exc.code == 401:
+        if token:
+            return "the server refused the token (--token or TOKENFEED_TOKEN): " + detail
+        return "the server wants a token: pass --token T (or set TOKENFEED_TOKEN)"
+    return f"GET {path}: HTTP {exc.code}: {detail}"
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def _console() -> Console:
+    from rich.console import Console  # rich is imported by these commands only
+
+    # A pipe gets no colour and a wide line: a table must not wrap inside a script's log.
+    tty = sys.stdout.isatty()
+    return Console(highlight=False, soft_wrap=False, width=None if tty else 240, no_color=not tty)
+
+
+def _table(*columns: str, right: Sequence[str] = ()) -> Table:
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for name in columns:
+        table.add_column(name, justify="right" if name in right else "left", no_wrap=True)
+    return table
+
+
+def _cells(*values: object) -> list[Text]:
+    from rich.text import Text
+
+    # Text, not str: a name such as "[bold]x" from the API stays literal, never markup.
+    return [Text(str(v)) for v in values]
+
+
+def _count(n: int) -> str:
+    return f"{n:,}"
+
+
+def _ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.0f}s ago"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _uptime(seconds: float) -> str:
+    s = int(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    return f"{days}d {hours}h {minutes}m" if days else f"{hours}h {minutes}m {s}s"
+
+
+def render_jobs(jobs: list[dict[str, Any]]) -> Table:
+    """One row per job: who, what, the plan, and how far it is."""
+    table = _table(
+        "TENANT", "DATASET", "SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "POSITION", "EPOCH",
+        "EPOCH %", "TOKENS/S", "RETRANSMITS", "LAST REQUEST", "JOB",
+        right=("SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "POSITION", "EPOCH", "EPOCH %",
+               "TOKENS/S", "RETRANSMITS"),
+    )  # fmt: skip
+    for job in sorted(jobs, key=lambda j: (j["tenant"], j["dataset"], j["id"])):
+        windows = job.get("epoch_windows")
+        done = (
+            f"{100 * (job['position'] - job['epoch'] * windows) / windows:.1f}" if windows else "-"
+        )
+        table.add_row(
+            *_cells(
+                job["tenant"], job["dataset"], job["seq_len"], job["batch_size"],
+                job["world_size"], job["seed"], job["workers"], _count(job["position"]),
+                job["epoch"], done, f"{job['tokens_per_s']:,.0f}", _count(job["retransmits"]),
+                _ago(job.get("idle_s")), job["id"],
+            )
+        )  # fmt: skip
+    return table
+
+
+def render_datasets(datasets: list[dict[str, Any]]) -> Table:
+    """One row per dataset: size, tokenizer, shards (or why it is not served)."""
+    table = _table(
+        "NAME", "TOKENS", "DOCUMENTS", "TOKENIZER", "VOCAB", "EOS", "SHARDS", "CREATED",
+        right=("TOKENS", "DOCUMENTS", "VOCAB", "EOS", "SHARDS"),
+    )  # fmt: skip
+    for ds in sorted(datasets, key=lambda d: d["name"]):
+        if not ds["ok"]:
+            table.add_row(*_cells(ds["name"], "-", "-", "BROKEN: " + ds["error"], "", "", "", ""))
+            continue
+        t = ds["tokenizer"]
+        table.add_row(
+            *_cells(
+                ds["name"], _count(ds["tokens"]), _count(ds["documents"]), t["kind"],
+                _count(t["vocab_size"]), t["eos_id"], ds["shards"], ds["created"],
+            )
+        )  # fmt: skip
+    return table
+
+
+def render_status(status: dict[str, Any], limits: dict[str, Any]) -> Table:
+    """The server: version, uptime, readiness, connections, settings and limits."""
+    config = status["config"]
+    cap = config["max_tokens_per_s"]
+    started = datetime.fromtimestamp(status["started"], tz=timezone.utc)
+    rows: list[tuple[str, object]] = [
+        ("version", status["version"]),
+        ("server", status["server"]),
+        ("ready", "yes" if status["ready"] else "no"),
+        ("uptime", f"{_uptime(status['uptime_s'])} (since {started:%Y-%m-%d %H:%M:%S} UTC)"),
+        ("connections", status["connections"]),
+        ("auth", config["auth"] + (" + CURVE" if config["curve"] else "")),
+        ("store", config["store"] if config["store"] is not None else "(admin only)"),
+        ("rate cap", f"{cap:,} tokens/s" if cap else "none"),
+    ]  # fmt: skip
+    rows += [(f"limit {name}", _count(value)) for name, value in limits.items()]
+    rows += [
+        (f"events {name}", _count(value)) for name, value in sorted(status["counters"].items())
+    ]
+    table = _table("", "")
+    table.show_header = False
+    for name, value in rows:
+        table.add_row(*_cells(name, value))
+    return table
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def _run(fetch: Callable[[Callable[[str], Any]], tuple[Any, Table]]) -> Callable[..., int]:
+    def handler(args: argparse.Namespace) -> int:
+        url = args.url or os.environ.get("TOKENFEED_URL") or DEFAULT_URL
+        token = args.token or os.environ.get("TOKENFEED_TOKEN") or None
+        data, table = fetch(lambda path: fetch_json(url, path, token))
+        if args.json:
+            json.dump(data, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            _console().print(table)
+        return 0
+
+    return handler
+
+
+def _jobs(get: Callable[[str], Any]) -> tuple[Any, Table]:
+    jobs = get("/v1/jobs")
+    return jobs, render_jobs(jobs)
+
+
+def _datasets(get: Callable[[str], Any]) -> tuple[Any, Table]:
+    datasets = get("/v1/datasets")
+    return datasets, render_datasets(datasets)
+
+
+def _status(get: Callable[[str], Any]) -> tuple[Any, Table]:
+    status, limits = get("/v1/status"), get("/v1/limits")
+    return status, render_status(status, limits)
+
+
+_COMMANDS = {
+    "jobs": (_jobs, "list the jobs the token may see (GET /v1/jobs)"),
+    "datasets": (_datasets, "list the datasets the token may read (GET /v1/datasets)"),
+    "status": (_status, "show the server: version, uptime, connections, limits (GET /v1/status)"),
+}
+
+
+def add_admin_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``jobs``, ``datasets`` and ``status`` on the ``tokenfeed-server`` parser."""
+    for name, (fetch, help_text) in _COMMANDS.items():
+        p = subparsers.add_parser(
+            name, help=help_text, description=help_text[0].upper() + help_text[1:] + "."
+        )
+        p.add_argument(
+            "--url",
+            help=f"the server's HTTP address [TOKENFEED_URL] (default: {DEFAULT_URL})",
+        )
+        p.add_argument("--token", help="bearer token: a tenant's or the admin's [TOKENFEED_TOKEN]")
+        p.add_argument(
+            "--json", action="store_true", help="print the API's JSON instead of a table"
+        )
+        p.set_defaults(handler=_run(fetch))
