@@ -1,0 +1,177 @@
+"""``tokenfeed-server jobs|datasets|status`` against a real server with a tenants file.
+
+The tables show what the API shows the token; ``--json`` prints the API's own answer;
+an unreachable server, a bad URL and a refused token are one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from live_server import LiveServer
+from tokenfeed import TokenFeedDataset
+from tokenfeed_server.auth import token_digest
+from tokenfeed_server.cli import main
+from tokenfeed_server.store import TokenizerInfo, write_dataset
+
+pytestmark = pytest.mark.network
+
+ALICE = "alice-cli-token-0123456789abcdef"
+MARKUP = "mallory-cli-token-0123456789abcd"
+ADMIN = "admin-cli-token-zyxwvutsrqponmlk"
+BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
+# A tenant name that rich would read as markup if it were not printed as plain text.
+MARKUP_TENANT = "[bold red]mallory[/bold red]"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    root = tmp_path_factory.mktemp("store")
+    docs = [np.arange(n, dtype=np.uint16) % 256 for n in range(100, 2100, 100)]
+    for name in ("alpha", "beta"):
+        write_dataset(root, name, docs, tokenizer=BYTE, shuffle_seed=0)
+    tenants = tmp_path_factory.mktemp("conf") / "tenants.toml"
+    tenants.write_text(f"""
+admin_token_sha256 = "{token_digest(ADMIN)}"
+
+[[tenant]]
+name = "alice"
+token_sha256 = "{token_digest(ALICE)}"
+datasets = ["alpha"]
+
+[[tenant]]
+name = "{MARKUP_TENANT}"
+token_sha256 = "{token_digest(MARKUP)}"
+datasets = ["beta"]
+""")
+    with LiveServer(root, extra=["--tenants", str(tenants)]) as srv:
+        for name, token in (("alpha", ALICE), ("beta", MARKUP)):
+            loader = TokenFeedDataset(
+                srv.zmq, name, seq_len=64, batch_size=2, rank=0, world_size=1, samples=4,
+                token=token, request_timeout=2.0, deadline=15.0,
+            )  # fmt: skip
+            assert sum(1 for _ in loader) == 2
+        wait_for_jobs(srv, 2)
+        yield srv
+
+
+def wait_for_jobs(srv: LiveServer, n: int, timeout: float = 15.0) -> None:
+    """Until the data plane's snapshot (refreshed twice a second) shows ``n`` served jobs."""
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        jobs = srv.get("/v1/jobs", headers=auth).json()
+        if len(jobs) == n and all(j["position"] > 0 for j in jobs):
+            return
+        threading.Event().wait(0.1)  # the next snapshot, not the server's start-up
+    raise TimeoutError(f"the server did not show {n} jobs within {timeout}s")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rows(table: str) -> list[list[str]]:
+    """The table's lines split into cells (cells are separated by two or more spaces)."""
+    import re
+
+    return [re.split(r"\s{2,}", line.strip()) for line in table.splitlines() if line.strip()]
+
+
+def test_jobs_table_shows_what_the_token_may_see(
+    server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "jobs", "--url", server.http, "--token", ADMIN)
+    assert code == 0 and err == ""
+    header, *body = [r for r in rows(out) if not set("".join(r)) <= {"-", "─", " "}]
+    assert header[:3] == ["TENANT", "DATASET", "SEQ"] and "POSITION" in header
+    by_tenant = {r[0]: dict(zip(header, r, strict=True)) for r in body}
+    assert set(by_tenant) == {"alice", MARKUP_TENANT}  # the markup printed as text
+    assert by_tenant["alice"]["DATASET"] == "alpha" and by_tenant["alice"]["SEQ"] == "64"
+    assert by_tenant[MARKUP_TENANT]["DATASET"] == "beta"
+    api = server.get("/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    for job in api:
+        assert by_tenant[job["tenant"]]["POSITION"] == f"{job['position']:,}"
+        assert by_tenant[job["tenant"]]["JOB"] == job["id"]
+
+    code, out, _ = run(capsys, "jobs", "--url", server.http, "--token", ALICE)
+    assert code == 0
+    assert "alice" in out and "mallory" not in out and "beta" not in out
+
+
+def test_json_is_the_api_answer(
+    server: LiveServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENFEED_URL", server.http)  # the flags' environment twins
+    monkeypatch.setenv("TOKENFEED_TOKEN", ALICE)
+    auth = {"Authorization": f"Bearer {ALICE}"}
+    code, out, _ = run(capsys, "datasets", "--json")
+    assert code == 0 and json.loads(out) == server.get("/v1/datasets", headers=auth).json()
+    code, out, _ = run(capsys, "jobs", "--json")
+    jobs = json.loads(out)
+    assert [j["id"] for j in jobs] == [j["id"] for j in server.get("/v1/jobs", headers=auth).json()]
+    assert [j["tenant"] for j in jobs] == ["alice"]
+    code, out, _ = run(capsys, "status", "--json")
+    status = json.loads(out)
+    assert status["version"] and status["ready"] is True and status["config"]["store"] is None
+
+
+def test_datasets_and_status_tables(server: LiveServer, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "datasets", "--url", server.http, "--token", ADMIN)
+    assert code == 0
+    table = {r[0]: r for r in rows(out)}
+    tokens = sum(range(100, 2100, 100)) + 20  # every document ends with EOS
+    assert table["alpha"][1:4] == [f"{tokens:,}", "20", "byte"]  # tokens, documents, tokenizer
+    assert "beta" in table
+    code, out, _ = run(capsys, "status", "--url", server.http, "--token", ADMIN)
+    assert code == 0
+    facts = {r[0]: r[1] for r in rows(out) if len(r) == 2}
+    assert facts["ready"] == "yes" and facts["auth"] == "tenants"
+    assert facts["limit max_connections"] and "uptime" in facts
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--url", "http://127.0.0.1:9"], "cannot reach the server at http://127.0.0.1:9"),
+        (["--url", "not a url"], "is not an http(s) URL"),
+        (["--token", "not-a-known-token"], "the server refused the token"),
+        ([], "the server wants a token"),
+    ],
+)
+def test_errors_are_one_line_and_exit_2(
+    server: LiveServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    message: str,
+) -> None:
+    monkeypatch.delenv("TOKENFEED_TOKEN", raising=False)
+    monkeypatch.setenv("TOKENFEED_URL", server.http)
+    code, out, err = run(capsys, "jobs", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("tokenfeed-server jobs: error: ")
+    assert message in err
+
+
+def test_installed_command_exits_2(server: LiveServer) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenfeed_server.cli", "status", "--url", server.http,
+         "--token", "wrong-token"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "tokenfeed-server status: error: the server refused the token "
+        "(--token or TOKENFEED_TOKEN): unknown token"
+    ]
