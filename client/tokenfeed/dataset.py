@@ -17,7 +17,7 @@ import collections
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -33,13 +33,19 @@ from tokenfeed.window import pack_requests
 
 Batch = dict[str, torch.Tensor]
 
+#: What ``labels`` holds: ``"shifted"``: the next token of each input (``labels[:, t] ==
+#: token t + 1``), for a plain ``cross_entropy(logits, labels)``; ``"unshifted"``: a copy of
+#: ``input_ids``, for models that shift inside their loss (Hugging Face causal LMs).
+LabelMode = Literal["shifted", "unshifted"]
+LABEL_MODES: tuple[LabelMode, ...] = get_args(LabelMode)
+
 
 class TokenFeedDataset(IterableDataset[Batch]):
     """Whole batches of one rank from a tokenfeed server; use with ``batch_size=None``.
 
-    Each batch is a dict of ``input_ids`` and ``labels`` (int64 ``[batch_size, seq_len]``,
-    labels are the inputs shifted by one), ``window_ids`` (int64 ``[batch_size]``, the
-    global window index of each row) and ``epoch`` (int64 ``[batch_size]``).
+    Each batch is a dict of ``input_ids`` and ``labels`` (int64 ``[batch_size, seq_len]``;
+    see ``labels``), ``window_ids`` (int64 ``[batch_size]``, the global window index of
+    each row) and ``epoch`` (int64 ``[batch_size]``).
 
     Args:
         endpoint: the server's data endpoint, e.g. ``tcp://127.0.0.1:7400``.
@@ -63,6 +69,12 @@ class TokenFeedDataset(IterableDataset[Batch]):
             ``[batch_size, seq_len]``, restarting at every document) and ``cu_seqlens``
             (int32, cumulative document lengths over the flattened batch), so attention
             can stay inside documents in packed rows.
+        labels: ``"shifted"`` (default): ``labels[:, t]`` is the token after
+            ``input_ids[:, t]``, so ``cross_entropy(model(input_ids), labels)`` is the
+            next-token loss over all ``seq_len`` positions. ``"unshifted"``: ``labels`` is
+            a copy of ``input_ids``, what Hugging Face causal LMs take as ``labels=``
+            (they shift inside their loss, predicting ``seq_len - 1`` positions per row).
+            Feeding shifted labels to such a model trains it on the token *after* next.
     """
 
     def __init__(
@@ -85,8 +97,15 @@ class TokenFeedDataset(IterableDataset[Batch]):
         deadline: float = 120.0,
         batches_per_item: int | None = None,
         document_boundaries: bool = False,
+        labels: LabelMode = "shifted",
     ) -> None:
         super().__init__()
+        if labels not in LABEL_MODES:
+            raise ConfigError(
+                f"labels must be one of {', '.join(map(repr, LABEL_MODES))}, got {labels!r}: "
+                "'shifted' for a plain cross_entropy(logits, labels), 'unshifted' for "
+                "Hugging Face causal LMs, which shift labels themselves"
+            )
         default_rank, default_world = _distributed_defaults()
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size
@@ -115,6 +134,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         self.position = 0
         self.n_windows: int | None = None
         self.document_boundaries = document_boundaries
+        self.labels: LabelMode = labels
         #: the dataset's EOS id, known once connected
         self.eos_id: int | None = None
         #: the dataset build this reads: from a loaded state, else the first welcome
@@ -132,7 +152,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
 
     def convert(self, answer: Answer) -> Iterator[Batch]:
         """The batches of an answer from :meth:`iter_answers`, converted as they are taken."""
-        return batches_of(answer, self.job.batch_size, self.boundary_eos)
+        return batches_of(answer, self.job.batch_size, self.boundary_eos, self.labels)
 
     def check_server(self) -> Welcome:
         """Say hello from this process: learn the dataset's build and sizes, pin the build.
@@ -196,9 +216,9 @@ class TokenFeedDataset(IterableDataset[Batch]):
                     sizes.popleft()
                     if self.batches_per_item == 1:
                         c, b, _ = pending[0]
-                        yield _batch(c, b, batch, self.boundary_eos)
+                        yield _batch(c, b, batch, self.boundary_eos, self.labels)
                     else:
-                        yield _pack(pending, batch, self.boundary_eos)
+                        yield _pack(pending, batch, self.boundary_eos, self.labels)
                     pending, have = [], 0
 
     def iter_answers(self, worker: int, num_workers: int) -> Iterator[Answer]:
@@ -261,7 +281,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             "fingerprint": self.fingerprint,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from a saved position; batch_size and world_size may differ.
 
         The state's dataset build is pinned: reading resumes only from a server with the
@@ -270,15 +290,15 @@ class TokenFeedDataset(IterableDataset[Batch]):
         """
         for key in ("dataset", "seq_len", "seed"):
             mine = getattr(self.job, key)
-            if state.get(key) != mine:
+            if state_dict.get(key) != mine:
                 raise ConfigError(
-                    f"state was saved for {key}={state.get(key)!r} but this dataset has "
+                    f"state was saved for {key}={state_dict.get(key)!r} but this dataset has "
                     f"{key}={mine!r}; resuming would not continue the same stream"
                 )
-        position = state.get("position")
+        position = state_dict.get("position")
         if type(position) is not int or position < 0:
             raise ConfigError(f"state has no valid 'position': {position!r}")
-        fingerprint = state.get("fingerprint")
+        fingerprint = state_dict.get("fingerprint")
         if fingerprint is None:
             warnings.warn(
                 "the loaded state carries no dataset fingerprint (saved by an older tokenfeed "
@@ -303,14 +323,20 @@ def _distributed_defaults() -> tuple[int, int]:
 
 
 def _from_rows(
-    rows: np.ndarray, window_ids: torch.Tensor, epochs: torch.Tensor, eos_id: int | None
+    rows: np.ndarray,
+    window_ids: torch.Tensor,
+    epochs: torch.Tensor,
+    eos_id: int | None,
+    labels: LabelMode,
 ) -> Batch:
     # The model wants contiguous int64 ids: convert straight from the received tokens, one
-    # pass each for inputs and labels, and no other copy.
+    # pass each for inputs and labels, and no other copy. Unshifted labels are a copy, not
+    # the same tensor: masking labels in place (labels[...] = -100) must not edit inputs.
     input_ids = rows[:, :-1].astype(np.int64)
+    targets = rows[:, 1:].astype(np.int64) if labels == "shifted" else input_ids.copy()
     batch = {
         "input_ids": torch.from_numpy(input_ids),
-        "labels": torch.from_numpy(rows[:, 1:].astype(np.int64)),
+        "labels": torch.from_numpy(targets),
         "window_ids": window_ids,
         "epoch": epochs,
     }
@@ -321,26 +347,35 @@ def _from_rows(
     return batch
 
 
-def _batch(answer: Answer, b: int, batch_size: int, eos_id: int | None) -> Batch:
+def _batch(answer: Answer, b: int, batch_size: int, eos_id: int | None, labels: LabelMode) -> Batch:
     rows = slice(b * batch_size, (b + 1) * batch_size)
     return _from_rows(
         answer.tokens[rows],
         torch.from_numpy(answer.window_ids[rows].copy()),  # the received buffer is read-only
         torch.from_numpy(answer.epochs[rows].copy()),
         eos_id,
+        labels,
     )
 
 
-def batches_of(answer: Answer, batch_size: int, eos_id: int | None = None) -> Iterator[Batch]:
+def batches_of(
+    answer: Answer, batch_size: int, eos_id: int | None = None, labels: LabelMode = "shifted"
+) -> Iterator[Batch]:
     """The batches of one received answer, converted one at a time as they are taken.
 
     With ``eos_id``, each batch also carries ``position_ids`` and ``cu_seqlens``
-    (see :func:`tokenfeed.documents.document_fields`).
+    (see :func:`tokenfeed.documents.document_fields`); ``labels`` as in
+    :class:`TokenFeedDataset`.
     """
-    return (_batch(answer, b, batch_size, eos_id) for b in range(answer.request.count))
+    return (_batch(answer, b, batch_size, eos_id, labels) for b in range(answer.request.count))
 
 
-def _pack(pieces: list[tuple[Answer, int, int]], batch_size: int, eos_id: int | None) -> Batch:
+def _pack(
+    pieces: list[tuple[Answer, int, int]],
+    batch_size: int,
+    eos_id: int | None,
+    labels: LabelMode,
+) -> Batch:
     # One copy of the raw rows into a fresh (writable, shareable) array per item.
     def rows(field: str) -> np.ndarray:
         parts = [getattr(c, field)[lo * batch_size : hi * batch_size] for c, lo, hi in pieces]
@@ -355,7 +390,13 @@ def _pack(pieces: list[tuple[Answer, int, int]], batch_size: int, eos_id: int | 
     }
     if eos_id is not None:  # boundaries are computed where the item is unpacked
         item["eos_id"] = torch.tensor(eos_id)
+    if labels == "unshifted":  # so is the label mode: the item says which one it wants
+        item[_UNSHIFTED] = torch.tensor(True)
     return item
+
+
+# Marks a packed item whose batches want unshifted labels (absent: shifted, as before).
+_UNSHIFTED = "unshifted_labels"
 
 
 def unpack(item: Batch) -> list[Batch]:
@@ -366,8 +407,9 @@ def unpack(item: Batch) -> list[Batch]:
     """
     tokens = item["tokens"].numpy()
     eos_id = int(item["eos_id"]) if "eos_id" in item else None
+    labels: LabelMode = "unshifted" if _UNSHIFTED in item else "shifted"
     return [
-        _from_rows(tokens[i], item["window_ids"][i], item["epoch"][i], eos_id)
+        _from_rows(tokens[i], item["window_ids"][i], item["epoch"][i], eos_id, labels)
         for i in range(tokens.shape[0])
     ]
 

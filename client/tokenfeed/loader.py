@@ -3,9 +3,10 @@
 It counts the batches it has handed out, so ``state_dict()`` is the consumed stream
 position (the same on every rank: ``steps * world_size * batch_size``), and each
 ``iter()`` starts the workers from there: a restored loader continues exactly where the
-saved one stopped, with any ``num_workers``. With ``num_workers=0`` it receives in a
-background thread, so network waits overlap the training step. With a CUDA ``device``
-it pins and copies batches ahead on a side stream (:mod:`tokenfeed.device`).
+saved one stopped, with any ``num_workers``; ``state_dict`` / ``load_state_dict`` are
+torchdata's ``Stateful`` protocol. With ``num_workers=0`` it receives in a background
+thread, so network waits overlap the training step. With a CUDA ``device`` it pins and
+copies batches ahead on a side stream (:mod:`tokenfeed.device`).
 """
 
 from __future__ import annotations
@@ -105,13 +106,15 @@ class TokenFeedLoader:
         )
         return _Workers(loader, unpack_items=packed, pin=self.pin_memory)
 
+    # state_dict / load_state_dict are exactly torchdata's ``Stateful`` protocol (and the
+    # hooks Lightning and torch.distributed.checkpoint look for): keep the signatures.
     def state_dict(self) -> dict[str, Any]:
         """The resume state: consumed stream position plus the plan inputs it belongs to."""
         return self.dataset.state_dict(self.position)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` at the next ``iter()``."""
-        self.dataset.load_state_dict(state)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from ``state_dict`` at the next ``iter()``."""
+        self.dataset.load_state_dict(state_dict)
         self.position = self.dataset.position
 
 
