@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,25 @@ def test_gather_into_out_and_bounds(store: Path) -> None:
     with pytest.raises(IndexError):
         ds.read(0, ds.n_tokens + 1)
     assert ds.gather(np.array([], dtype=np.int64), 10).shape == (0, 10)
+
+
+@pytest.mark.parametrize("shard_tokens", [100, 1 << 20])
+def test_gather_from_a_shard_truncated_while_open(store: Path, shard_tokens: int) -> None:
+    docs = random_docs(40)
+    write_dataset(store, "d", docs, tokenizer=BYTE, shuffle_seed=0, shard_tokens=shard_tokens)
+    ref = stream(docs, 256)
+    with open_dataset(store, "d") as ds:
+        last = ds.manifest.shards[-1]
+        last_start = ds.n_tokens - last.tokens
+        os.truncate(store / "d" / last.name, HEADER_SIZE + 10)  # 5 tokens left
+        # A short read anywhere among many rows (the fast path counts bytes) names the
+        # dataset and the file, whichever row it is.
+        starts = np.array([0, 3, last_start, ds.n_tokens - 6, 7])
+        with pytest.raises(CorruptShard, match=rf"dataset 'd'.*{last.name}.*read \d+ of 12"):
+            ds.gather(starts, 6)
+        # What is still there reads as before.
+        rows = ds.gather(np.array([0, last_start]), 5)
+        np.testing.assert_array_equal(rows, [ref[:5], ref[last_start : last_start + 5]])
 
 
 def test_uint32_for_large_vocab(store: Path) -> None:
