@@ -169,3 +169,15 @@ def test_chunk_payload_sizes_are_checked() -> None:
         protocol.decode_chunk(dataclasses.replace(header, provenance=("w", "w")), [tokens, meta])
     with pytest.raises(ProtocolError, match="dtype"):
         protocol.decode_chunk(dataclasses.replace(header, dtype="float32"), [tokens, meta])
+
+
+def test_every_err_fits_the_string_bound() -> None:
+    """An err quoting hostile input is cut, so the other end can always decode it."""
+    long = protocol.Err(code="bad_request", message="é" * 2000, retry=False, req=-1)
+    decoded = protocol.decode_header(long.header())
+    assert isinstance(decoded, protocol.Err) and decoded.message.endswith("...")
+    assert len(decoded.message.encode()) <= protocol.MAX_STR
+    junk = packed({"v": 2, "t": "ping"}) + b"\xa9" * 5000  # trailing bytes after a message
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_header(junk)
+    assert len(str(info.value)) < 200  # names the problem without echoing the bytes

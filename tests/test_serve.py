@@ -411,6 +411,12 @@ def test_client_refuses_a_v1_server() -> None:
         ctx.term()
 
 
+def test_an_invalid_dataset_name_is_a_decodable_bad_request(server: LiveServer) -> None:
+    (reply,) = ask(server, dataclasses.replace(HELLO, dataset="x" * 500).header())
+    assert isinstance(reply, protocol.Err) and reply.code == "bad_request", reply
+    assert "invalid dataset name" in reply.message  # not "damaged on the server"
+
+
 def test_hello_with_another_builds_fingerprint_is_refused(server: LiveServer) -> None:
     (welcome,) = ask(server, HELLO.header())
     assert isinstance(welcome, protocol.Welcome)

@@ -253,6 +253,14 @@ class Err(Message):
     retry: bool
     req: int
 
+    def __post_init__(self) -> None:
+        # Messages quote client input (names, values): cut one that would not fit, so that
+        # every err an end sends is one the other end can decode.
+        raw = self.message.encode()
+        if len(raw) > MAX_STR:
+            cut = raw[: MAX_STR - 3].decode(errors="ignore") + "..."
+            object.__setattr__(self, "message", cut)
+
 
 @dataclass(frozen=True)
 class Ping(Message):
@@ -329,7 +337,8 @@ def decode_header(frame: bytes | memoryview) -> Message:
             max_map_len=MAX_ITEMS,
         )
     except Exception as exc:  # msgpack raises several unrelated types; map them here
-        raise ProtocolError(f"header frame is not valid msgpack: {exc!r}") from None
+        reason = f"{type(exc).__name__}: {exc}"
+        raise ProtocolError(f"header frame is not valid msgpack ({_brief(reason)})") from None
     if not isinstance(obj, dict):
         raise ProtocolError("header frame must be a msgpack map with 'v' and 't'")
     version = obj.pop("v", None)
@@ -343,7 +352,7 @@ def decode_header(frame: bytes | memoryview) -> Message:
     if cls is None:
         raise ProtocolError(f"unknown message type; expected one of {sorted(_TYPES)}")
     hints, defaults = _HINTS[cls], _DEFAULTS[cls]
-    extra = sorted(str(k) for k in obj.keys() - hints.keys())
+    extra = sorted(_brief(k, 40) for k in obj.keys() - hints.keys())
     if extra:
         raise ProtocolError(
             f"{cls.TYPE}: unexpected fields {extra}; the peer speaks a newer protocol "
@@ -358,12 +367,18 @@ def decode_header(frame: bytes | memoryview) -> Message:
     return cls(**obj)
 
 
+def _brief(value: object, limit: int = 80) -> str:
+    """``value`` for an error message, cut to ``limit`` characters (it may be hostile)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check(where: str, value: object, hint: object) -> Any:
     """``value`` if it has type ``hint`` within the bounds, else ProtocolError."""
     if hint is int:
         # bool is an int subclass; a JSON-ish client sending true for a count is a bug
         if type(value) is not int or not (-1 <= value <= _MAX_INT):
-            raise ProtocolError(f"{where} must be an integer in [-1, 2**63), got {value!r}")
+            raise ProtocolError(f"{where} must be an integer in [-1, 2**63), got {_brief(value)}")
         return value
     if hint is str:
         if not isinstance(value, str):

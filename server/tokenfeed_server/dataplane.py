@@ -32,6 +32,7 @@ import zmq
 from tokenfeed import protocol
 from tokenfeed.errors import (
     DatasetNotFound,
+    InvalidDatasetName,
     PlanError,
     ProtocolError,
     ServerError,
@@ -393,6 +394,8 @@ class DataPlane:
                 "unknown_dataset",
                 f"no dataset {name!r} on this server; available: {', '.join(names) or 'none'}",
             ) from None
+        except InvalidDatasetName as exc:  # the client's mistake, not a damaged dataset
+            raise ProtocolError(str(exc)) from None
         except StoreError as exc:
             if self._log_budget.take():
                 log.error("dataset %s cannot be served: %s", name, exc)
