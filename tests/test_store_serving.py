@@ -16,8 +16,10 @@ import pytest
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset
 from tokenfeed.errors import DatasetChanged, DatasetNotFound, ManifestError, UnknownDataset
+from tokenfeed.plan import INT64_MAX, Plan
 from tokenfeed_server.store import Store, TokenizerInfo, open_dataset, write_dataset
 from tokenfeed_server.store.format import HEADER_SIZE
+from tokenfeed_server.store.serving import WindowBlocks
 
 BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
@@ -188,3 +190,31 @@ def test_a_shard_truncated_under_the_server_fails_only_its_jobs(tmp_path: Path) 
         assert srv.get("/healthz").status_code == 200
         assert srv.proc is not None and srv.proc.poll() is None
     assert "shard-000000.bin" in log.read_text()  # the operator's log names the file
+
+
+@pytest.mark.parametrize(
+    ("n_tokens", "batch", "world"),
+    [(10_000, 8, 1), (60, 5, 3), (1_000_000, 4, 2), (1_000_000, 2, 64)],
+)
+def test_window_blocks_serve_the_plans_order_to_the_bit(
+    n_tokens: int, batch: int, world: int
+) -> None:
+    plan = Plan(n_tokens=n_tokens, seq_len=7, batch_size=batch, world_size=world, seed=11)
+    blocks = WindowBlocks(block=64, max_blocks=6)
+    g, w = plan.global_batch, plan.n_windows
+    requests = [
+        (0, 0, 1, 1),
+        (world - 1, 3, 40, 1),  # several blocks, across epoch ends when w is small
+        (0, w - 5, 3, 1),  # across an epoch end
+        (world // 2, 17 * g, 9, 3),  # strided like num_workers=3
+        (0, 5 * w + 2, 200, 1),  # more blocks than are kept: computed directly
+        (world - 1, INT64_MAX - 4 * g + 1, 4, 1),  # the stream's end: computed directly
+    ]
+    for rank, pos, count, stride in requests:
+        positions = plan.rank_positions(rank, pos, count, stride)
+        ids, epochs = blocks.windows(plan, positions)
+        want_ids, want_epochs = plan.windows(positions)
+        np.testing.assert_array_equal(ids, want_ids)
+        np.testing.assert_array_equal(epochs, want_epochs)
+    if world < 16:  # dense requests were served from blocks
+        assert 0 < len(blocks) <= 6
