@@ -205,8 +205,13 @@ def test_metrics_want_the_admin_token_and_health_stays_open(tenants: LiveServer)
     assert refused.status_code == 403 and "admin token" in refused.json()["detail"]
     scraped = tenants.get("/metrics", headers=bearer(ADMIN))
     assert scraped.status_code == 200
-    families = {f.name for f in text_string_to_metric_families(scraped.text)}
-    assert {"tokenfeed_tokens_served", "tokenfeed_ready"} <= families
+    parsed = {f.name: f for f in text_string_to_metric_families(scraped.text)}
+    assert {"tokenfeed_tokens_served", "tokenfeed_ready"} <= parsed.keys()
+    # per-job series are labelled job_id: Prometheus keeps "job" for the scrape target
+    served = parsed["tokenfeed_tokens_served"].samples
+    job_ids = {j["id"] for j in tenants.get("/v1/jobs", headers=bearer(ADMIN)).json()}
+    assert served and {s.labels["job_id"] for s in served} == job_ids
+    assert all("job" not in s.labels for s in served)
     for path in ("/healthz", "/readyz", "/v1/limits"):
         assert tenants.get(path).status_code == 200, path
 

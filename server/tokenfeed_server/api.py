@@ -361,7 +361,9 @@ class _SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.state.dataplane.snapshot
-        labels = ["job", "dataset", "tenant"]
+        # Not "job": Prometheus sets that label to the scrape target's job and would rename
+        # ours to "exported_job"; "job_id" survives the scrape as it is.
+        labels = ["job_id", "dataset", "tenant"]
         tokens = CounterMetricFamily("tokenfeed_tokens_served", "Tokens sent", labels=labels)
         batches = CounterMetricFamily("tokenfeed_batches_served", "Batches sent", labels=labels)
         retrans = CounterMetricFamily(
