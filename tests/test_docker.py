@@ -35,7 +35,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.docker, pytest.mark.slow]
+BUILD_TIMEOUT = 1200  # a cold build on two loaded cores: torch alone is minutes
+RUN_TIMEOUT = 600
+# Whichever test comes first builds the images (the module fixture), inside its timeout.
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.slow,
+    pytest.mark.timeout(BUILD_TIMEOUT + 2 * RUN_TIMEOUT),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDE = ROOT / "tests" / "docker" / "compose.test.yaml"
@@ -44,8 +51,6 @@ SERVER_IMAGE = "tokenfeed-server:dev"
 TRAINER_IMAGE = "tokenfeed-trainer:dev"
 TOKEN = "tokenfeed-demo-token"
 UID = "10001"
-BUILD_TIMEOUT = 1200  # a cold build on two loaded cores: torch alone is minutes
-RUN_TIMEOUT = 600
 
 
 def sh(argv: list[str], *, timeout: float, check: bool = True, **kw: object) -> str:
@@ -176,8 +181,9 @@ class Attached:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                self.lines.put(line)
         self.lines.put(None)
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
@@ -331,7 +337,6 @@ def test_demo_up_trains_then_a_second_up_rebuilds_nothing(stack: Stack) -> None:
         project.down()
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT)
 def test_up_server_alone_writes_nothing_and_serves_a_dataset_prepared_later(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -394,7 +399,6 @@ def test_server_image_has_no_torch_and_runs_as_non_root(stack: Stack) -> None:
     assert uid == UID
 
 
-@pytest.mark.timeout(2 * RUN_TIMEOUT)
 def test_unwritable_store_stops_the_demo_with_one_clear_line(stack: Stack, tmp_path: Path) -> None:
     store = tmp_path / "root-owned-store"
     store.mkdir(mode=0o755)  # root's, as a host directory made with sudo mkdir is
