@@ -98,10 +98,11 @@ def test_missing_scheme_suggests_the_fix() -> None:
 
 def test_a_failed_connect_leaves_no_socket_to_hang_the_process() -> None:
     # Before the fix the process hung for ever in ctx.term() at exit: a child process
-    # with a timeout is the only honest test. The second case bypasses the constructor's
-    # check to reach the connect failure itself.
+    # with a timeout is the only honest test. The second case reaches the connect failure
+    # itself through a resolver that returns an address libzmq refuses.
     code = textwrap.dedent(
         """
+        from tokenfeed import replicas
         from tokenfeed.client import FeedClient
         from tokenfeed.errors import ConfigError
         from tokenfeed.protocol import JobSpec
@@ -110,8 +111,8 @@ def test_a_failed_connect_leaves_no_socket_to_hang_the_process() -> None:
             FeedClient("127.0.0.1:7400", job, rank=0, worker=0)
         except ConfigError as exc:
             print("refused:", exc)
-        client = FeedClient("tcp://127.0.0.1:7400", job, rank=0, worker=0)
-        client.endpoint = "127.0.0.1:7400"
+        replicas.resolve_host = lambda host, port: ["no such address"]
+        client = FeedClient("tcp://data.test:7400", job, rank=0, worker=0)
         try:
             with client:
                 client.hello()
@@ -125,7 +126,7 @@ def test_a_failed_connect_leaves_no_socket_to_hang_the_process() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "refused: endpoint '127.0.0.1:7400' is not of the form tcp://host:port" in done.stdout
-    assert "connect failed: can not connect to endpoint '127.0.0.1:7400'" in done.stdout
+    assert "connect failed: can not connect to endpoint 'tcp://no such address:7400'" in done.stdout
     assert done.stdout.rstrip().endswith("exited cleanly")
 
 

@@ -10,13 +10,15 @@ what to re-ask, cutting requests to the server's limit) lives without a socket i
 Liveness follows the ZeroMQ guide's Lazy Pirate pattern: when nothing arrives for
 ``request_timeout`` seconds, the client closes its socket, opens a new one, says hello
 again and re-sends every request still outstanding. Requests are pure functions of their
-fields, so re-sending loses and duplicates nothing, even if the server restarted. A
+fields, so re-sending loses and duplicates nothing, even if the server restarted. With
+several replicas (:mod:`tokenfeed.replicas`) the new socket goes to the next replica:
+any server over the same store answers any request identically. A
 retryable refusal (a server at its job or connection cap, overload) is retried after an
 exponential backoff with jitter (:mod:`tokenfeed.retry`), never at once. After
 ``warn_after`` seconds without an answer the client logs a warning on the ``tokenfeed``
 logger; when no progress is made for ``deadline`` seconds it raises the last refusal
 (e.g. :class:`~tokenfeed.errors.ConnectionLimit`) or
-:class:`~tokenfeed.errors.ServerUnavailable` naming the endpoint.
+:class:`~tokenfeed.errors.ServerUnavailable` naming every endpoint.
 
 The client checks what the server says: a ``welcome`` with impossible values raises
 :class:`~tokenfeed.errors.ProtocolError`, and a dataset build other than the expected one
@@ -32,7 +34,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +44,6 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from tokenfeed import protocol
-from tokenfeed.endpoint import check_endpoint
 from tokenfeed.errors import (
     AuthenticationFailed,
     ConfigError,
@@ -52,6 +53,7 @@ from tokenfeed.errors import (
     ServerUnavailable,
 )
 from tokenfeed.protocol import JobSpec
+from tokenfeed.replicas import Replicas
 from tokenfeed.retry import Backoff
 from tokenfeed.window import Request, RequestWindow, pack_requests
 
@@ -130,9 +132,15 @@ class FeedClient:
     """A connection to a tokenfeed server for one rank and one worker of a job.
 
     Args:
-        endpoint: ``tcp://host:port`` (checked here: a malformed one raises ConfigError).
+        endpoint: ``tcp://host:port``, or several replicas as a list, a comma-separated
+            string or a name with several addresses (checked here: a malformed one
+            raises ConfigError).
         job: the plan inputs every rank and worker of the run sends.
         rank, worker: who this client is within the job.
+        num_workers: workers per rank, to start the job's clients evenly over the
+            replicas (the first replica tried is ``rank * num_workers + worker`` mod n).
+        slot: start at this replica instead (0: the first, the one every rank asks to
+            pin the dataset build).
         options: timeouts, window and credentials.
         fingerprint: the dataset build this client must read (from a checkpoint), or
             None to take the build of the first ``welcome``; a server with another build
@@ -141,16 +149,21 @@ class FeedClient:
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | Sequence[str],
         job: JobSpec,
         *,
         rank: int,
         worker: int,
+        num_workers: int = 1,
+        slot: int | None = None,
         options: ClientOptions | None = None,
         fingerprint: str | None = None,
     ) -> None:
         # Checked before any socket exists: nothing to clean up when it is wrong.
-        self.endpoint = check_endpoint(endpoint)
+        spread = rank * num_workers + worker
+        self.replicas = Replicas(endpoint, slot=spread if slot is None else slot)
+        #: the address in use (the first endpoint until the first connect)
+        self.endpoint = self.replicas.endpoints[0]
         self.job = job
         self.rank = rank
         self.worker = worker
@@ -171,13 +184,16 @@ class FeedClient:
 
     # -- connection ------------------------------------------------------------------
 
-    def _open(self) -> zmq.Socket[bytes]:
+    def _open(self, address: str) -> zmq.Socket[bytes]:
         self._close_socket()
+        self.endpoint = address
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Held in self at once: whatever fails below, _close_socket (and close) sees it,
         # so the context never waits on a socket nobody will close.
         self._sock = sock
+        if address.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)  # off by default in libzmq: no IPv6 connects
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
@@ -256,14 +272,18 @@ class FeedClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def hello(self, deadline_at: float | None = None) -> protocol.Welcome:
+    def hello(
+        self, deadline_at: float | None = None, *, failover: bool = False
+    ) -> protocol.Welcome:
         """Attach to the job, retrying with fresh sockets until the deadline.
 
-        A retryable refusal is retried after a backoff (never at once); silence is
-        retried with a growing wait for the answer. Past ``warn_after`` seconds without
-        an answer a warning is logged; at the deadline the last refusal is raised (e.g.
-        :class:`~tokenfeed.errors.ConnectionLimit`), or ServerUnavailable if nothing
-        answered at all.
+        Every attempt resolves the replicas again. The first goes to this client's
+        replica (the next one with ``failover``: the one in use went silent), every
+        later one to the next replica. A retryable refusal is retried after a backoff
+        (never at once); silence is retried with a growing wait for the answer. Past
+        ``warn_after`` seconds without an answer a warning is logged; at the deadline the
+        last refusal is raised (e.g. :class:`~tokenfeed.errors.ConnectionLimit`), or
+        ServerUnavailable naming every replica if nothing answered at all.
         """
         opts = self.options
         started = time.monotonic()
@@ -284,11 +304,19 @@ class FeedClient:
         backoff = Backoff(cap=min(2.0, opts.request_timeout))
         refusal: protocol.Err | None = None
         warned = False
+        advance = failover
         while True:
-            sock = self._open()
-            sock.send(hello.header())
-            received = self._recv(min(wait, max(0.0, deadline_at - time.monotonic())))
-            msg = received[0] if received is not None else None
+            address = self.replicas.pick(advance=advance)
+            advance = True
+            msg: protocol.Message | None = None
+            if address is None:  # no name resolves (yet): a headless Service with no pod
+                self._close_socket()
+                time.sleep(min(wait, max(0.0, deadline_at - time.monotonic())))
+            else:
+                sock = self._open(address)
+                sock.send(hello.header())
+                received = self._recv(min(wait, max(0.0, deadline_at - time.monotonic())))
+                msg = received[0] if received is not None else None
             if isinstance(msg, protocol.Welcome):
                 return self._accept(msg)
             if isinstance(msg, protocol.Err):
@@ -308,16 +336,21 @@ class FeedClient:
             if refusal is None and not warned and now - started >= opts.warn_after:
                 warned = True
                 log.warning(
-                    "no answer from tokenfeed server at %s for %.0fs; still trying until "
-                    "the deadline of %.0fs. Check that it runs (GET /readyz) and that the "
-                    "endpoint and port are right",
-                    self.endpoint,
+                    "no answer from %s for %.0fs; still trying until the deadline of %.0fs. "
+                    "Check that it runs (GET /readyz) and that the endpoint and port are right",
+                    self._where(),
                     now - started,
                     deadline_at - started,
                 )
             if msg is not None:  # refused: wait before asking again
                 time.sleep(min(backoff.next(), max(0.0, deadline_at - now)))
             wait = min(wait * 2, opts.request_timeout)
+
+    def _where(self) -> str:
+        """The server, or every replica with its addresses, for a message."""
+        if self.replicas.several:
+            return f"any tokenfeed replica ({self.replicas.describe()})"
+        return f"tokenfeed server at {self.replicas.describe()}"
 
     def _gave_up(self, refusal: protocol.Err | None, waited: float) -> Exception:
         """The error for a deadline passed: the last refusal if any, else silence."""
@@ -329,9 +362,8 @@ class FeedClient:
                 retry=refusal.retry,
             )
         return ServerUnavailable(
-            f"no answer from tokenfeed server at {self.endpoint} within "
-            f"{waited:.0f}s; check that it runs and that its /readyz says "
-            "ready, and that the endpoint and port are right"
+            f"no answer from {self._where()} within {waited:.0f}s; check that it runs and "
+            "that its /readyz says ready, and that the endpoint and port are right"
         )
 
     def _accept(self, welcome: protocol.Welcome) -> protocol.Welcome:
@@ -346,18 +378,24 @@ class FeedClient:
     def _changed(self, served: str | None) -> str:
         """What a DatasetChanged says: which build was expected, which is served, what to do."""
         now = f"the server has {served}" if served else "the server has another build"
+        replicas = (
+            ", or the replicas serve different builds (every replica of a job must serve "
+            "the same prepared store)"
+            if self.replicas.several
+            else ""
+        )
         if self._fingerprint_given:
             return (
                 f"dataset {self.job.dataset!r} on {self.endpoint} is not the build this "
-                f"state was saved with (expected fingerprint {self.fingerprint}, {now}): it "
-                "was prepared again, and resuming would train on different data. Restore "
-                "the old dataset, or start over on purpose: drop the loader state (a new "
-                "run from position 0)"
+                f"job reads (expected fingerprint {self.fingerprint}, {now}): it was "
+                f"prepared again{replicas}, and reading it would train on different data. "
+                "Restore the old dataset, or start over on purpose: drop the loader state "
+                "(a new run from position 0)"
             )
         return (
             f"dataset {self.job.dataset!r} on {self.endpoint} was replaced while this job "
-            f"was reading it (expected fingerprint {self.fingerprint}, {now}); going on "
-            "would mix two datasets. Start a new run (or restore the old dataset)"
+            f"was reading it{replicas} (expected fingerprint {self.fingerprint}, {now}); "
+            "going on would mix two datasets. Start a new run (or restore the old dataset)"
         )
 
     def _check_welcome(self, welcome: protocol.Welcome) -> None:
@@ -461,11 +499,15 @@ class FeedClient:
                 raise self._gave_up(msg if isinstance(msg, protocol.Err) else None, waited)
             if msg is None:
                 log.warning(
-                    "no answer from %s in %.1fs: reconnecting", self.endpoint, opts.request_timeout
+                    "no answer from %s in %.1fs: %s",
+                    self.endpoint,
+                    opts.request_timeout,
+                    "moving to the next replica" if self.replicas.several else "reconnecting",
                 )
             else:
                 time.sleep(backoff.next())
-            self.hello(deadline_at=last_progress + opts.deadline)
+            # Silence: the next replica; a refusal or a restarted server: the same one.
+            self.hello(deadline_at=last_progress + opts.deadline, failover=msg is None)
             assert self.welcome is not None
             flow.reconnected(self.welcome.max_count)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal, get_args
 
 import numpy as np
@@ -25,10 +25,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tokenfeed.client import Answer, ClientOptions, FeedClient
 from tokenfeed.documents import document_fields
-from tokenfeed.endpoint import check_endpoint
 from tokenfeed.errors import ConfigError
 from tokenfeed.plan import steps_to_cover, worker_steps
 from tokenfeed.protocol import DTYPES, JobSpec, Welcome
+from tokenfeed.replicas import Replicas, parse_endpoints
 from tokenfeed.window import pack_requests
 
 Batch = dict[str, torch.Tensor]
@@ -48,7 +48,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
     each row) and ``epoch`` (int64 ``[batch_size]``).
 
     Args:
-        endpoint: the server's data endpoint, e.g. ``tcp://127.0.0.1:7400``.
+        endpoint: the server's data endpoint, e.g. ``tcp://127.0.0.1:7400``; or several
+            replicas over the same store: a list, a comma-separated string, or a host
+            name with several addresses. Workers start spread over them and move to the
+            next one when theirs stops answering (see :mod:`tokenfeed.replicas`).
         dataset: dataset name in the server's store.
         seq_len, batch_size, seed: the plan inputs (batch_size is per rank).
         rank, world_size: default from ``torch.distributed`` if initialised, else the
@@ -79,7 +82,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | Sequence[str],
         dataset: str,
         *,
         seq_len: int,
@@ -115,7 +118,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
             raise ConfigError("give epochs or samples, not both")
         if batches_per_item is not None and batches_per_item < 1:
             raise ConfigError("batches_per_item must be >= 1")
-        self.endpoint = check_endpoint(endpoint)
+        #: the endpoints, checked (one, or several replicas)
+        self.endpoints = parse_endpoints(endpoint)
         self.job = JobSpec(dataset, seq_len, batch_size, seed, self.world_size)
         self.epochs = epochs
         self.samples = samples
@@ -161,15 +165,19 @@ class TokenFeedDataset(IterableDataset[Batch]):
         so a refusal (another build than a loaded state's, a forbidden dataset) is raised
         here and every worker reads the same build.
         """
-        with self._client(0) as client:
+        # Every rank asks the same replica (the first), not its own: with replicas of
+        # different builds, all ranks pin the same one, and the others refuse.
+        with self._client(0, slot=0) as client:
             return self._learn(client.hello())
 
-    def _client(self, worker: int) -> FeedClient:
+    def _client(self, worker: int, num_workers: int = 1, *, slot: int | None = None) -> FeedClient:
         return FeedClient(
-            self.endpoint,
+            self.endpoints,
             self.job,
             rank=self.rank,
             worker=worker,
+            num_workers=num_workers,
+            slot=slot,
             options=self.options,
             fingerprint=self.fingerprint,
         )
@@ -237,7 +245,11 @@ class TokenFeedDataset(IterableDataset[Batch]):
     ) -> Iterator[Answer]:
         """Received answers for this worker's steps; item sizes are appended to ``sizes``."""
         start = self.position
-        with self._client(worker) as client:
+        if self.fingerprint is None and _several(Replicas(self.endpoints)):
+            # Not pinned before the workers started (a DataLoader of the user's own): each
+            # worker would pin the build of the replica it met first. Pin the common one.
+            self.check_server()
+        with self._client(worker, num_workers) as client:
             welcome = self._learn(client.hello())
             n_steps = self._steps_left(start, welcome.n_windows)
 
@@ -310,6 +322,11 @@ class TokenFeedDataset(IterableDataset[Batch]):
             raise ConfigError(f"state has no valid 'fingerprint': {fingerprint!r}")
         self.position = position
         self.fingerprint = fingerprint
+
+
+def _several(replicas: Replicas) -> bool:
+    """More than one replica named or resolved (a name may hide several)."""
+    return len(replicas.endpoints) > 1 or len(replicas.resolve().addresses) > 1
 
 
 def _distributed_defaults() -> tuple[int, int]:

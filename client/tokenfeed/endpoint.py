@@ -3,7 +3,8 @@
 ZeroMQ refuses a malformed endpoint only inside ``connect``, after the socket exists,
 and a socket left open then makes the context hang at exit. Checking the string first
 turns a typo into a :class:`~tokenfeed.errors.ConfigError` that shows the expected form.
-One endpoint at a time: a caller with several (replicas) checks each.
+One endpoint at a time: a caller with several (replicas, :mod:`tokenfeed.replicas`)
+checks each.
 """
 
 from __future__ import annotations
@@ -43,3 +44,11 @@ def check_endpoint(endpoint: object) -> str:
     if not 1 <= port <= 65535:
         raise ConfigError(f"endpoint {endpoint!r}: port {port} is outside [1, 65535]")
     return endpoint
+
+
+def split_tcp(endpoint: str) -> tuple[str, int]:
+    """The host (IPv6 in brackets, as written) and port of a checked ``tcp://`` endpoint."""
+    match = _TCP.fullmatch(endpoint)
+    if match is None:
+        raise ConfigError(f"endpoint {endpoint!r} is not of the form {FORM}")
+    return match["host"], int(match["port"])
