@@ -347,8 +347,11 @@ class Plan:
                 f"positions up to {pos + (count - 1) * stride * g + g - 1} overflow int64; "
                 "the stream cannot go that far"
             )
-        step = stride * g if count > 1 else 0  # a lone batch's stride is irrelevant
-        starts = np.arange(count, dtype=np.int64) * np.int64(step) + np.int64(pos + rank * b)
+        first = pos + rank * b
+        step = stride * g if count > 1 else b  # a lone batch's stride is irrelevant
+        if step == b:  # one run of positions (one rank, consecutive batches): the hot path
+            return np.arange(first, first + count * b, dtype=np.int64)
+        starts = np.arange(count, dtype=np.int64) * np.int64(step) + np.int64(first)
         rows: IntArray = (starts[:, None] + np.arange(b, dtype=np.int64)[None, :]).reshape(-1)
         return rows
 
@@ -365,7 +368,7 @@ class Plan:
         w = _int_array(window_ids, "window_ids")
         if w.size and (int(w.min()) < 0 or int(w.max()) >= self.n_windows):
             raise PlanError(f"window ids must lie in [0, {self.n_windows})")
-        starts: IntArray = w.astype(np.int64) * np.int64(self.seq_len)
+        starts: IntArray = w.astype(np.int64, copy=False) * np.int64(self.seq_len)
         return starts
 
 

@@ -7,7 +7,7 @@ import itertools
 import os
 import re
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -165,14 +165,22 @@ class Dataset:
         )
 
     def gather(
-        self, starts: npt.ArrayLike, length: int, out: np.ndarray | None = None
+        self,
+        starts: npt.ArrayLike,
+        length: int,
+        out: np.ndarray | None = None,
+        *,
+        rows: Sequence[tuple[memoryview]] | None = None,
     ) -> np.ndarray:
         """Rows ``out[i] = stream[starts[i] : starts[i] + length]`` (the server's hot path).
 
         One ``pread`` per row straight into ``out`` (rows are random windows: no two share
         a file range worth merging); a row that crosses a shard boundary is read in two.
         ``out``, if given, must be a C-contiguous ``(len(starts), length)`` array of the
-        store's dtype. A failed or short read raises CorruptShard naming the dataset.
+        store's dtype; ``rows``, if given, ``out``'s rows as 1-tuples of writable views of
+        its memory, in order (kept by the caller, e.g. the server's pooled buffers, to spare
+        making them on every call). A failed or short read raises CorruptShard naming the
+        dataset.
         """
         starts_arr = np.asarray(starts, dtype=np.int64).reshape(-1)
         length = int(length)
@@ -204,7 +212,12 @@ class Dataset:
         # per row, which was most of the cost of reading small rows. preadv takes a
         # sequence of buffers: a 1-tuple per row, holding that row of ``out`` (iterating
         # an array yields its rows as views; cheaper than slicing a memoryview).
-        rows: Iterator[tuple[Any]] = zip(out)  # ndarray rows: buffers (typeshed: not yet)
+        if rows is None:
+            row_bufs: Iterator[tuple[Any]] = zip(out)  # ndarray rows (typeshed: not buffers)
+        elif len(rows) == n:
+            row_bufs = iter(rows)
+        else:
+            raise ValueError(f"rows has {len(rows)} rows, out {n}")
         crossing: list[int] = []
         fds: Iterable[int]
         if len(self._fds) == 1:
@@ -219,13 +232,13 @@ class Dataset:
             if not whole.all():  # rows across a shard boundary: read piecewise below
                 crossing = np.flatnonzero(~whole).tolist()
                 keep = whole.tolist()
-                rows = itertools.compress(rows, keep)
+                row_bufs = itertools.compress(row_bufs, keep)
                 fds = itertools.compress(fds, keep)
                 offsets = offsets[whole]
         # Every byte is counted: a short read anywhere shows in the total.
         expected = (n - len(crossing)) * row
         try:
-            got = sum(map(os.preadv, fds, rows, offsets.tolist()))
+            got = sum(map(os.preadv, fds, row_bufs, offsets.tolist()))
         except OSError:
             got = -1
         if got != expected:

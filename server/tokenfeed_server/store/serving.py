@@ -20,6 +20,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,32 +255,71 @@ class RowBuffers:
     returns. A buffer is lent as a fresh array over pooled memory; every view of it, and
     ZeroMQ's hold on it, keeps that array alive, so the memory is lent again only once the
     array is gone (tracked by a weak reference). Reuse spares the page faults of fresh
-    allocations on every chunk.
+    allocations on every chunk, and :meth:`take_rows` the making of one view per row.
     """
 
     def __init__(self, per_size: int = 32) -> None:
         self.per_size = per_size
-        self._pools: dict[int, list[tuple[bytearray, weakref.ref[np.ndarray]]]] = {}
+        self._pools: dict[int, list[_Slot]] = {}
         self._lock = threading.Lock()
 
     def take(self, shape: tuple[int, int], dtype: np.dtype[Any]) -> np.ndarray:
         """A C-contiguous array of ``shape`` and ``dtype`` whose content is undefined."""
+        return self.take_rows(shape, dtype)[0]
+
+    def take_rows(
+        self, shape: tuple[int, int], dtype: np.dtype[Any]
+    ) -> tuple[np.ndarray, list[tuple[memoryview]] | None]:
+        """:meth:`take`, and the array's rows as 1-tuples of memoryviews of its memory
+        (what :meth:`Dataset.gather <tokenfeed_server.store.reader.Dataset.gather>` reads
+        into), made once per pooled buffer and row size; None for a buffer not pooled.
+
+        The views hold the pooled memory, never the lent array, so they do not keep a
+        buffer lent.
+        """
         nbytes = shape[0] * shape[1] * dtype.itemsize
+        row = shape[1] * dtype.itemsize
         with self._lock:
             pool = self._pools.setdefault(nbytes, [])
-            for i, (memory, lent) in enumerate(pool):
-                if lent() is None:
-                    array = np.frombuffer(memory, dtype=dtype)
-                    pool[i] = (memory, weakref.ref(array))
-                    return array.reshape(shape)
-            memory = bytearray(nbytes)
-            array = np.frombuffer(memory, dtype=dtype)
-            if len(pool) < self.per_size:  # else this one is simply not kept
-                pool.append((memory, weakref.ref(array)))
-            return array.reshape(shape)
+            for slot in pool:
+                if slot.lent() is None:
+                    break
+            else:
+                slot = _Slot(bytearray(nbytes))
+                if len(pool) < self.per_size:  # else this one is simply not kept
+                    pool.append(slot)
+                else:
+                    return np.ndarray(shape, dtype, buffer=slot.memory), None
+            array = np.ndarray(shape, dtype, buffer=slot.memory)
+            slot.lent = weakref.ref(array)
+            rows = slot.rows.get(row)
+            if rows is None and row:
+                view = memoryview(slot.memory)
+                rows = slot.rows[row] = [(view[a : a + row],) for a in range(0, nbytes, row)]
+            return array, rows
+
+
+def _gone() -> None:
+    return None
+
+
+class _Slot:
+    """One pooled buffer: its memory, a weak reference to the array lent over it, and
+    its rows' views by row size."""
+
+    __slots__ = ("lent", "memory", "rows")
+
+    def __init__(self, memory: bytearray) -> None:
+        self.memory = memory
+        self.lent: Callable[[], np.ndarray | None] = _gone
+        self.rows: dict[int, list[tuple[memoryview]]] = {}
 
 
 _row_buffers = RowBuffers()
+
+
+# A block's window ids and epochs.
+_Block = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
 class WindowBlocks:
@@ -300,7 +340,7 @@ class WindowBlocks:
     def __init__(self, block: int = 8192, max_blocks: int = 64) -> None:
         self.block = block
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[tuple[int, int, int], npt.NDArray[np.int64]] = OrderedDict()
+        self._blocks: OrderedDict[tuple[int, int, int], _Block] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -319,26 +359,35 @@ class WindowBlocks:
         dense = positions.size * _DENSITY >= hi - lo + 1
         if not dense or last - first >= self.max_blocks // 2 or (last + 1) * size > INT64_MAX:
             return plan.windows(positions)
-        parts = [self._block(plan, b) for b in range(first, last + 1)]
-        ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        epochs: npt.NDArray[np.int64] = positions // np.int64(plan.n_windows)
-        return ids[positions - first * size], epochs
+        base = first * size
+        if first == last and hi - lo + 1 == positions.size:
+            # One run of positions (the common case): views of the block, no copies.
+            ids, epochs = self._block(plan, first)
+            return ids[lo - base : hi + 1 - base], epochs[lo - base : hi + 1 - base]
+        blocks = [self._block(plan, b) for b in range(first, last + 1)]
+        index = positions - base
+        if len(blocks) == 1:
+            return blocks[0][0][index], blocks[0][1][index]
+        ids = np.concatenate([ids for ids, _ in blocks])
+        epochs = np.concatenate([epochs for _, epochs in blocks])
+        return ids[index], epochs[index]
 
-    def _block(self, plan: Plan, b: int) -> npt.NDArray[np.int64]:
+    def _block(self, plan: Plan, b: int) -> _Block:
         key = (plan.n_windows, plan.seed, b)
         with self._lock:
-            ids = self._blocks.get(key)
-            if ids is not None:
+            block = self._blocks.get(key)
+            if block is not None:
                 self._blocks.move_to_end(key)
-                return ids
+                return block
         size = self.block
-        ids = plan.windows(np.arange(b * size, (b + 1) * size, dtype=np.int64))[0]
-        ids.flags.writeable = False  # shared by every job with this key
+        block = plan.windows(np.arange(b * size, (b + 1) * size, dtype=np.int64))
+        for part in block:
+            part.flags.writeable = False  # shared by every job with this key
         with self._lock:
-            self._blocks[key] = ids
+            self._blocks[key] = block
             while len(self._blocks) > self.max_blocks:
                 self._blocks.popitem(last=False)
-        return ids
+        return block
 
 
 # Rows per position spanned below which a request is computed directly (see WindowBlocks).
@@ -356,6 +405,6 @@ def assemble(
     """
     positions = plan.rank_positions(rank, pos, count, stride)  # sorted, as blocks need
     window_ids, epochs = _window_blocks.windows(plan, positions)
-    out = _row_buffers.take((len(window_ids), plan.seq_len + 1), ds.dtype)
-    tokens = ds.gather(plan.token_starts(window_ids), plan.seq_len + 1, out=out)
+    out, rows = _row_buffers.take_rows((len(window_ids), plan.seq_len + 1), ds.dtype)
+    tokens = ds.gather(plan.token_starts(window_ids), plan.seq_len + 1, out=out, rows=rows)
     return tokens, window_ids, epochs
