@@ -19,7 +19,7 @@ from tokenfeed.errors import DatasetChanged, DatasetNotFound, ManifestError, Unk
 from tokenfeed.plan import INT64_MAX, Plan
 from tokenfeed_server.store import Store, TokenizerInfo, open_dataset, write_dataset
 from tokenfeed_server.store.format import HEADER_SIZE
-from tokenfeed_server.store.serving import WindowBlocks
+from tokenfeed_server.store.serving import RowBuffers, WindowBlocks
 
 BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
@@ -218,3 +218,24 @@ def test_window_blocks_serve_the_plans_order_to_the_bit(
         np.testing.assert_array_equal(epochs, want_epochs)
     if world < 16:  # dense requests were served from blocks
         assert 0 < len(blocks) <= 6
+
+
+def test_pooled_rows_are_read_into_and_lent_again_only_when_free(tmp_path: Path) -> None:
+    write_dataset(tmp_path, "d", docs(3), tokenizer=BYTE, shuffle_seed=0, shard_tokens=7_000)
+    buffers = RowBuffers(per_size=2)
+    starts = np.array([0, 6_990, 31_000, 12])  # the second row crosses a shard boundary
+    with open_dataset(tmp_path, "d") as ds:
+        out, rows = buffers.take_rows((4, 17), ds.dtype)
+        assert rows is not None and len(rows) == 4
+        assert ds.gather(starts, 17, out=out, rows=rows) is out
+        np.testing.assert_array_equal(out, ds.gather(starts, 17))
+        # Lent while the array (or any view of it, e.g. a frame ZeroMQ holds) lives.
+        view = out[1:]
+        del out
+        second, second_rows = buffers.take_rows((4, 17), ds.dtype)
+        assert second_rows is not rows
+        del view, second
+        third, third_rows = buffers.take_rows((4, 17), ds.dtype)
+        assert third_rows is rows  # the first buffer again, with its views
+        with pytest.raises(ValueError, match="rows has 4 rows, out 3"):
+            ds.gather(starts[:3], 17, out=third[:3], rows=rows)
