@@ -1,9 +1,9 @@
 """The Docker images and the compose stack on a real Docker engine.
 
-Built with the project's own ``docker/Dockerfile`` and ``compose.yaml``; what differs on a
-machine with no registry and no torch index comes in only through
-``tests/docker/compose.test.yaml`` (build arguments) and the local ``python:*-slim``
-stand-ins that ``../shared/docker/engine-setup.sh`` builds. Runs where ``docker info``
+Built with the project's own ``docker/Dockerfile`` and ``compose.yaml`` (copied with the
+sources when the test starts); what differs on a machine with no registry and no torch
+index comes in only through ``tests/docker/compose.test.yaml`` (build arguments) and the
+local ``python:*-slim`` stand-ins that ``../shared/docker/engine-setup.sh`` builds. Runs where ``docker info``
 answers (``.ci/run`` starts an engine with that script first); skips otherwise.
 
 - ``docker compose up``: prepare, a healthy server, the trainer's loss falling, the
@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -239,8 +240,18 @@ class Stack:
         return Project(self.files, {**self.env, **extra})
 
 
+def snapshot(into: Path) -> Path:
+    """compose.yaml, the Dockerfile and what it copies, as they are now, under ``into``."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
+    for part in ("client", "server", "examples", "docker"):
+        shutil.copytree(ROOT / part, into / part, ignore=skip)
+    for name in ("compose.yaml", ".dockerignore"):
+        shutil.copy2(ROOT / name, into / name)
+    return into
+
+
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The engine, the build inputs and the images, built once by compose."""
     reason = engine_error()
     if reason is not None:
@@ -249,7 +260,10 @@ def stack() -> Iterator[Stack]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFEED_")}
     env["COMPOSE_ANSI"] = "never"
     env["COMPOSE_PROGRESS"] = "plain"
-    files = [ROOT / "compose.yaml"]
+    # A snapshot of what the build reads: edits to the working tree while the test runs
+    # would otherwise rebuild the images and fail the "rebuilds nothing" check.
+    context = snapshot(tmp_path_factory.mktemp("context"))
+    files = [context / "compose.yaml"]
     wheels: WheelServer | None = None
     wheel_dir = Path(values.get("TORCH_WHEEL_DIR", ""))
     if values.get("TORCH_WHEEL_DIR") and any(wheel_dir.glob("torch-*.whl")):
