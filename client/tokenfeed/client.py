@@ -34,7 +34,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,8 @@ class FeedClient:
         fingerprint: the dataset build this client must read (from a checkpoint), or
             None to take the build of the first ``welcome``; a server with another build
             is refused with :class:`~tokenfeed.errors.DatasetChanged`.
+        consumed: returns the trainer's consumed stream position, put on every ``get``
+            and on the ``bye`` (see :mod:`tokenfeed.consumed`); None: not known.
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class FeedClient:
         slot: int | None = None,
         options: ClientOptions | None = None,
         fingerprint: str | None = None,
+        consumed: Callable[[], int] | None = None,
     ) -> None:
         # Checked before any socket exists: nothing to clean up when it is wrong.
         spread = rank * num_workers + worker
@@ -172,6 +175,7 @@ class FeedClient:
         #: the dataset build this client reads; None until the first welcome
         self.fingerprint = fingerprint or None
         self._fingerprint_given = self.fingerprint is not None
+        self._consumed = consumed
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
@@ -231,7 +235,8 @@ class FeedClient:
                 linger = 0
                 if bye and self.welcome is not None:
                     # Frees our connection slot on the server now rather than at its timeout.
-                    sock.send(protocol.Bye().header(), zmq.NOBLOCK)
+                    last = protocol.Bye(consumed=self._consumed_position())
+                    sock.send(last.header(), zmq.NOBLOCK)
                     linger = 200
                 sock.disable_monitor()
                 sock.close(linger=linger)
@@ -520,8 +525,12 @@ class FeedClient:
             pos=req.pos,
             count=req.count,
             stride=req.stride,
+            consumed=self._consumed_position(),
         )
         self._sock.send(get.header())
+
+    def _consumed_position(self) -> int:
+        return -1 if self._consumed is None else self._consumed()
 
     def _answer(self, req: Request, header: protocol.Chunk, payload: list[Any]) -> Answer:
         tokens, rows = protocol.decode_chunk(header, payload)

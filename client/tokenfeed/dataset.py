@@ -14,7 +14,9 @@ opens its socket lazily in ``__iter__``, after the worker process exists.
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, get_args
@@ -24,14 +26,17 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from tokenfeed.client import Answer, ClientOptions, FeedClient
+from tokenfeed.consumed import ConsumedCounter
 from tokenfeed.documents import document_fields
-from tokenfeed.errors import ConfigError
+from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed.plan import steps_to_cover, worker_steps
 from tokenfeed.protocol import DTYPES, JobSpec, Welcome
 from tokenfeed.replicas import Replicas, parse_endpoints
 from tokenfeed.window import pack_requests
 
 Batch = dict[str, torch.Tensor]
+
+log = logging.getLogger("tokenfeed")
 
 #: What ``labels`` holds: ``"shifted"``: the next token of each input (``labels[:, t] ==
 #: token t + 1``), for a plain ``cross_entropy(logits, labels)``; ``"unshifted"``: a copy of
@@ -143,6 +148,9 @@ class TokenFeedDataset(IterableDataset[Batch]):
         self.eos_id: int | None = None
         #: the dataset build this reads: from a loaded state, else the first welcome
         self.fingerprint: str | None = None
+        #: the training loop's consumed position, told to the server on every get and
+        #: bye; set while iterated directly or by TokenFeedLoader (None: not known)
+        self.consumed: ConsumedCounter | None = None
 
     @property
     def global_batch(self) -> int:
@@ -180,7 +188,21 @@ class TokenFeedDataset(IterableDataset[Batch]):
             slot=slot,
             options=self.options,
             fingerprint=self.fingerprint,
+            consumed=self._take_consumed,
         )
+
+    def _take_consumed(self) -> int:
+        return -1 if self.consumed is None else self.consumed.take()
+
+    def report_consumed(self, timeout: float = 2.0) -> None:
+        """Tell the server the consumed position now, on a short connection of this
+        process (``hello``, then ``bye`` carrying it); give up silently after ``timeout``
+        seconds: progress is information, never worth failing a training loop for."""
+        try:
+            with self._client(0, slot=0) as client:
+                client.hello(deadline_at=time.monotonic() + timeout)
+        except TokenFeedError as exc:
+            log.debug("could not report the consumed position: %s", exc)
 
     def _learn(self, welcome: Welcome) -> Welcome:
         self.n_windows = welcome.n_windows
@@ -195,10 +217,23 @@ class TokenFeedDataset(IterableDataset[Batch]):
         return self.iter_worker(info.id, info.num_workers)
 
     def _counting(self, items: Iterator[Batch]) -> Iterator[Batch]:
-        # Iterated directly (no DataLoader): keep our own consumed position.
-        for item in items:
-            self.position += self.global_batch * _batches_in(item, self.batches_per_item)
-            yield item
+        # Iterated directly (no DataLoader): keep our own consumed position, and let the
+        # client tell it to the server (its last word, the bye, comes from items.close()).
+        own = self.consumed is None
+        if self.consumed is None:
+            self.consumed = ConsumedCounter(self.position)
+        counter = self.consumed
+        try:
+            for item in items:
+                self.position += self.global_batch * _batches_in(item, self.batches_per_item)
+                counter.advance(self.position)
+                yield item
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+            if own:
+                self.consumed = None
 
     def iter_worker(self, worker: int, num_workers: int) -> Iterator[Batch]:
         """The items of worker ``worker`` of ``num_workers``, from ``self.position`` on.

@@ -7,6 +7,11 @@ saved one stopped, with any ``num_workers``; ``state_dict`` / ``load_state_dict`
 torchdata's ``Stateful`` protocol. With ``num_workers=0`` it receives in a background
 thread, so network waits overlap the training step. With a CUDA ``device`` it pins and
 copies batches ahead on a side stream (:mod:`tokenfeed.device`).
+
+The server learns how far training is from the loader, not from what it sent: the
+position handed out is shared with the workers (:mod:`tokenfeed.consumed`), who put it on
+their requests; when no request has carried the latest value for ``report_after``
+seconds (a pause for evaluation, the end of the loop), the loader tells it itself.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from tokenfeed.client import Answer
+from tokenfeed.consumed import ConsumedCounter
 from tokenfeed.dataset import Batch, TokenFeedDataset, unpack
 from tokenfeed.device import stage
+from tokenfeed.errors import ConfigError
 
 _MAX_AUTO_PACK = 16
 
@@ -41,6 +48,10 @@ class TokenFeedLoader:
         prefetch: items buffered ahead per worker process (with ``num_workers=0`` one
             received chunk waits ready and the request window reads further ahead).
         multiprocessing_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``.
+        report_after: seconds the server may go without hearing the consumed position
+            (requests carry it while the loop runs) before the loader tells it on a short
+            connection of its own; None: never (the server then lags by up to the
+            request window plus the prefetch until the loop resumes or ends).
     """
 
     def __init__(
@@ -52,6 +63,7 @@ class TokenFeedLoader:
         device: str | torch.device | None = None,
         prefetch: int = 4,
         multiprocessing_context: str | None = None,
+        report_after: float | None = 5.0,
     ) -> None:
         cuda = torch.cuda.is_available()
         if pin_memory and not cuda:
@@ -70,21 +82,35 @@ class TokenFeedLoader:
         self.device = torch.device(device) if device is not None else None
         self.prefetch = prefetch
         self.multiprocessing_context = multiprocessing_context
+        if report_after is not None and not report_after > 0:
+            raise ConfigError(f"report_after must be > 0 seconds or None, got {report_after!r}")
+        self.report_after = report_after
         self.position = dataset.position
 
     def __iter__(self) -> Iterator[Batch]:
         self.dataset.position = self.position
-        source = self._source()
-        batches = stage(source, self.device) if self.device is not None else source
+        # Made before the workers start, so that they inherit it with the dataset.
+        consumed = self.dataset.consumed = ConsumedCounter(self.position)
+        reporter = _Reporter(self.dataset, self.report_after) if self.report_after else None
         step = self.dataset.global_batch
         try:
-            for batch in batches:
-                self.position += step
-                yield batch
+            source = self._source()
+            try:
+                batches = stage(source, self.device) if self.device is not None else source
+                for batch in batches:
+                    self.position += step
+                    consumed.advance(self.position)
+                    yield batch
+            finally:
+                # A loop left early (break, exception) must not leave a receiver thread or
+                # worker processes running.
+                source.close()
         finally:
-            # A loop left early (break, exception) must not leave a receiver thread or
-            # worker processes running.
-            source.close()
+            if reporter is not None:
+                reporter.stop()
+            if consumed.unreported:  # e.g. workers that ended before the last batches did
+                self.dataset.report_consumed()
+            self.dataset.consumed = None
 
     def _source(self) -> _Background | _Workers:
         if self.num_workers == 0:
@@ -116,6 +142,30 @@ class TokenFeedLoader:
         """Continue from ``state_dict`` at the next ``iter()``."""
         self.dataset.load_state_dict(state_dict)
         self.position = self.dataset.position
+
+
+class _Reporter:
+    """Tells the server the consumed position when no request has carried it for
+    ``every`` seconds: the loop is paused, or the window and prefetch are so deep that
+    requests are rare. A daemon thread of the main process, which sees the position."""
+
+    def __init__(self, dataset: TokenFeedDataset, every: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(dataset, every), name="tokenfeed-progress", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, dataset: TokenFeedDataset, every: float) -> None:
+        while not self._stop.wait(every):
+            consumed = dataset.consumed
+            if consumed is not None and consumed.unreported:
+                dataset.report_consumed(timeout=min(every, 2.0))
+
+    def stop(self) -> None:
+        """Stop the thread, waiting for a report under way."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
 
 
 class _Workers(Iterator[Batch]):

@@ -33,11 +33,25 @@ hello    dataset: str, seq_len: int, batch_size: int, seed: int, world_size: int
          ``dataset_changed`` saying both fingerprints)
 welcome  server: str, job: str, fingerprint: str, n_tokens: int, n_windows: int, dtype: str,
          window: int, max_count: int, eos_id: int
-get      req: int, job: str, rank: int, pos: int, count: int, stride: int
+get      req: int, job: str, rank: int, pos: int, count: int, stride: int,
+         consumed*: int = -1 (the trainer's consumed position, see "Progress" below;
+         -1: not known)
 chunk    req: int, rows: int, cols: int, dtype: str, provenance: list[str] (names of the
          provenance rows, in frame order; today ``window`` and ``epoch``)
 err      code: str, message: str, retry: bool, req: int (-1: answers no particular request)
+bye      consumed*: int = -1 (as in ``get``: the last word of a closing connection)
 =======  ====================================================================================
+
+Progress
+--------
+The server sends ahead of the trainer (the request window, the DataLoader's prefetch), so
+what it served says little about how far training is. ``consumed`` on ``get`` and ``bye``
+is the stream position (global samples from the stream's start, the same on every rank)
+up to which the rank's training loop has taken batches, read from a counter the loader
+shares with its workers when the message is sent. It is information only: the server
+keeps the largest value reported per job and never serves differently because of it.
+The loader reports a value that no message carried for a few seconds (a pause, the end of
+the loop) on a short connection of its own: ``hello`` then ``bye``.
 
 Values and bounds
 -----------------
@@ -220,7 +234,10 @@ class Welcome(Message):
 
 @dataclass(frozen=True)
 class Get(Message):
-    """Ask for rank ``rank``'s rows of ``count`` global batches (see module docstring)."""
+    """Ask for rank ``rank``'s rows of ``count`` global batches (see module docstring).
+
+    ``consumed``: the position the rank's training loop has consumed (-1: not known).
+    """
 
     TYPE: ClassVar[str] = "get"
     req: int
@@ -229,6 +246,7 @@ class Get(Message):
     pos: int
     count: int
     stride: int
+    consumed: int = -1
 
 
 @dataclass(frozen=True)
@@ -278,9 +296,10 @@ class Pong(Message):
 
 @dataclass(frozen=True)
 class Bye(Message):
-    """The client is closing this connection; no answer."""
+    """The client is closing this connection; no answer. ``consumed`` as in :class:`Get`."""
 
     TYPE: ClassVar[str] = "bye"
+    consumed: int = -1
 
 
 _REQUIRED = object()

@@ -266,9 +266,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/jobs", responses=_errors(401))
     def jobs(who: Reader) -> list[JobView]:
-        """Per job: dataset, plan inputs, workers, batches, tokens, tokens/s, position."""
+        """Per job: dataset, plan inputs, workers, what was served (prefetched) and what the
+        trainer consumed: positions, epochs and tokens/s of each."""
         return [
-            JobView.model_validate({**job, **_live_figures(state.dataplane, job["id"])})
+            JobView.model_validate(job)
             for job in state.dataplane.snapshot["jobs"]
             if who.sees_tenant(job["tenant"])
         ]
@@ -339,20 +340,6 @@ def _no_tokenizer_file(name: str, kind: str, eos_id: int) -> str:
     )
 
 
-def _live_figures(dataplane: DataPlane, job_id: str) -> dict[str, Any]:
-    """Figures the snapshot lacks, read from the data plane's live job: the windows per
-    epoch of its plan and the seconds since its last request."""
-    # dict.get and attribute reads are single steps under the GIL, and the data plane only
-    # rebinds these fields: no lock is needed to read them from the HTTP thread.
-    job = dataplane.jobs.get(job_id)
-    if job is None:
-        return {}
-    return {
-        "epoch_windows": job.plan.n_windows,
-        "idle_s": round(max(0.0, time.monotonic() - job.last_active), 1),
-    }
-
-
 class _SnapshotCollector(Collector):
     """Reads the data plane's snapshot at scrape time: zero cost on the hot path."""
 
@@ -369,8 +356,25 @@ class _SnapshotCollector(Collector):
         retrans = CounterMetricFamily(
             "tokenfeed_retransmits", "Requests for data already sent", labels=labels
         )
-        rate = GaugeMetricFamily("tokenfeed_tokens_per_second", "Recent rate", labels=labels)
+        rate = GaugeMetricFamily(
+            "tokenfeed_tokens_per_second", "Recent rate of tokens sent", labels=labels
+        )
         workers = GaugeMetricFamily("tokenfeed_job_workers", "Attached workers", labels=labels)
+        served = GaugeMetricFamily(
+            "tokenfeed_served_position",
+            "Furthest stream position sent (windows from the stream's start; prefetched)",
+            labels=labels,
+        )
+        consumed = GaugeMetricFamily(
+            "tokenfeed_consumed_position",
+            "Stream position the trainer reported consumed (absent until it reports)",
+            labels=labels,
+        )
+        consumed_rate = GaugeMetricFamily(
+            "tokenfeed_consumed_tokens_per_second",
+            "Recent rate of input tokens the trainer consumed (seq_len per window)",
+            labels=labels,
+        )
         for job in snap["jobs"]:
             values = [job["id"], job["dataset"], job["tenant"]]
             tokens.add_metric(values, job["tokens_served"])
@@ -378,7 +382,11 @@ class _SnapshotCollector(Collector):
             retrans.add_metric(values, job["retransmits"])
             rate.add_metric(values, job["tokens_per_s"])
             workers.add_metric(values, job["workers"])
-        yield from (tokens, batches, retrans, rate, workers)
+            served.add_metric(values, job["position"])
+            if job["consumed_position"] is not None:
+                consumed.add_metric(values, job["consumed_position"])
+                consumed_rate.add_metric(values, job["consumed_tokens_per_s"])
+        yield from (tokens, batches, retrans, rate, workers, served, consumed, consumed_rate)
         yield GaugeMetricFamily(
             "tokenfeed_connections", "Attached connections", value=snap["connections"]
         )

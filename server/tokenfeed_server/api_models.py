@@ -75,7 +75,14 @@ class BrokenDatasetView(_Model):
 
 
 class JobView(_Model):
-    """One training run as the server sees it."""
+    """One training run as the server sees it.
+
+    Two positions, side by side: ``position`` is how far the server has *sent* (the
+    trainer's prefetch runs ahead of its training loop by the request window plus the
+    DataLoader's prefetch); ``consumed_position`` is how far the training loop has
+    *taken* batches, as the trainer reported it. Positions count windows (rows, samples
+    of all ranks) from the start of the stream; epochs are laid end to end.
+    """
 
     id: str = Field(
         description="Job id, derived from the tenant, the dataset build and the plan inputs."
@@ -91,21 +98,32 @@ class JobView(_Model):
     requests: int = Field(description="Requests answered.")
     batches_served: int = Field(description="Batches sent.")
     tokens_served: int = Field(description="Tokens sent.")
-    tokens_per_s: float = Field(description="Recent rate of tokens sent per second.")
+    tokens_per_s: float = Field(
+        description="Recent rate of tokens sent per second (`seq_len + 1` per window)."
+    )
     position: int = Field(
-        description="Furthest stream position served, in windows (rows) since the start of "
-        "the stream; epochs are laid end to end."
+        description="Furthest stream position served (prefetched by the trainer), in windows "
+        "(rows) since the start of the stream; epochs are laid end to end."
     )
-    epoch: int = Field(description="Epoch of that position.")
-    epoch_windows: int | None = Field(
-        default=None,
-        description="Windows (rows) in one epoch of this job's plan, so the end of the "
-        "current epoch is at `(epoch + 1) * epoch_windows`; null once the job is forgotten.",
+    epoch: int = Field(description="Epoch of the served position.")
+    consumed_position: int | None = Field(
+        description="Stream position up to which the trainer's training loop has taken "
+        "batches, as last reported (it lags by at most the request window plus the "
+        "DataLoader's prefetch while the loop runs, and is exact a few seconds after it "
+        "pauses or ends); null until the trainer reports one."
     )
-    idle_s: float | None = Field(
-        default=None,
-        description="Seconds since the job's last request; null once the job is forgotten.",
+    consumed_epoch: int | None = Field(
+        description="Epoch of the consumed position; null until the trainer reports one."
     )
+    consumed_tokens_per_s: float = Field(
+        description="Recent rate of input tokens the trainer consumed per second, all ranks "
+        "together (`seq_len` per window: the tokens its model reads)."
+    )
+    epoch_windows: int = Field(
+        description="Windows (rows) in one epoch of this job's plan, so the current epoch of "
+        "a position ends at `(epoch + 1) * epoch_windows`."
+    )
+    idle_s: float = Field(description="Seconds since the job's last request.")
     retransmits: int = Field(description="Requests for data that was already sent once.")
     queued: int = Field(description="Requests waiting for their turn.")
     created: float = Field(description="When the job was first seen (Unix time, seconds).")

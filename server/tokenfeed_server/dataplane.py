@@ -43,6 +43,7 @@ from tokenfeed.protocol import JobSpec
 from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.logbudget import LogBudget
+from tokenfeed_server.rates import Rate
 from tokenfeed_server.scheduler import FairQueue, TokenBucket
 from tokenfeed_server.store import Dataset, Store, assemble
 
@@ -87,13 +88,17 @@ class Job:
     tokens: int = 0
     requests: int = 0
     retransmits: int = 0
+    #: furthest stream position served (what the trainer has prefetched)
     position: int = 0
+    #: largest consumed position the trainer reported (-1: none yet); see protocol.Get
+    consumed: int = -1
     created: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     # client name -> (rank -> highest position asked): a client re-asking at or below its
     # own mark is re-sending (Lazy Pirate after silence or a restart)
     high_water: dict[str, dict[int, int]] = field(default_factory=dict)
-    rate_samples: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)
+    served_rate: Rate = field(default_factory=lambda: Rate(_RATE_WINDOW_S))
+    consumed_rate: Rate = field(default_factory=lambda: Rate(_RATE_WINDOW_S))
 
 
 @dataclass
@@ -267,6 +272,9 @@ class DataPlane:
         elif isinstance(msg, protocol.Ping):
             self._send(sock, ident, [protocol.Pong().header()])
         elif isinstance(msg, protocol.Bye):
+            peer = self.peers.get(ident)
+            if peer is not None and peer.tenant == tenant:
+                self._note_consumed(peer.job, msg.consumed)
             self._forget_peer(ident, gone=True)
         else:
             raise ProtocolError(f"a client may not send {msg.TYPE!r} messages")
@@ -467,6 +475,7 @@ class DataPlane:
                 quiet=True,
             )
         peer.last_seen = time.monotonic()
+        self._note_consumed(job.id, msg.consumed)
         if not 0 <= msg.rank < job.spec.world_size:
             raise ProtocolError(f"rank {msg.rank} outside [0, {job.spec.world_size})")
         if not 1 <= msg.count <= job.max_count:
@@ -490,6 +499,13 @@ class DataPlane:
             job.retransmits += 1
         marks[msg.rank] = max(marks.get(msg.rank, -1), msg.pos)
         self._queue.push(job.id, (ident, msg))
+
+    def _note_consumed(self, jid: str, consumed: int) -> None:
+        """Keep the furthest consumed position reported for job ``jid``: workers read the
+        trainer's counter at different times, so a report may be older than the last."""
+        job = self.jobs.get(jid)
+        if job is not None and consumed > job.consumed:
+            job.consumed = consumed
 
     # -- serving ---------------------------------------------------------------------
 
@@ -608,11 +624,12 @@ class DataPlane:
     def _make_snapshot(self, now: float, attached: collections.Counter[str]) -> dict[str, Any]:
         jobs = []
         for job in self.jobs.values():
-            job.rate_samples.append((now, job.tokens))
-            while job.rate_samples and now - job.rate_samples[0][0] > _RATE_WINDOW_S:
-                job.rate_samples.popleft()
-            t0, n0 = job.rate_samples[0]
-            rate = (job.tokens - n0) / (now - t0) if now > t0 else 0.0
+            windows = job.plan.n_windows
+            served_rate = job.served_rate.sample(now, job.tokens)
+            consumed_rate = 0.0
+            if job.consumed >= 0:
+                # Tokens the model reads: seq_len per window (the +1 is the last label).
+                consumed_rate = job.consumed_rate.sample(now, job.consumed * job.spec.seq_len)
             jobs.append(
                 {
                     "id": job.id,
@@ -627,9 +644,14 @@ class DataPlane:
                     "requests": job.requests,
                     "batches_served": job.batches,
                     "tokens_served": job.tokens,
-                    "tokens_per_s": round(rate, 1),
+                    "tokens_per_s": round(served_rate, 1),
                     "position": job.position,
-                    "epoch": job.position // job.plan.n_windows,
+                    "epoch": job.position // windows,
+                    "consumed_position": job.consumed if job.consumed >= 0 else None,
+                    "consumed_epoch": job.consumed // windows if job.consumed >= 0 else None,
+                    "consumed_tokens_per_s": round(consumed_rate, 1),
+                    "epoch_windows": windows,
+                    "idle_s": round(max(0.0, now - job.last_active), 1),
                     "retransmits": job.retransmits,
                     "queued": self._queue.queued(job.id),
                     "created": job.created,
