@@ -69,7 +69,7 @@ def wait_for_jobs(srv: LiveServer, n: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         jobs = srv.get("/v1/jobs", headers=auth).json()
-        if len(jobs) == n and all(j["position"] > 0 for j in jobs):
+        if len(jobs) == n and all(j["consumed_position"] for j in jobs):
             return
         threading.Event().wait(0.1)  # the next snapshot, not the server's start-up
     raise TimeoutError(f"the server did not show {n} jobs within {timeout}s")
@@ -94,14 +94,15 @@ def test_jobs_table_shows_what_the_token_may_see(
     code, out, err = run(capsys, "jobs", "--url", server.http, "--token", ADMIN)
     assert code == 0 and err == ""
     header, *body = [r for r in rows(out) if not set("".join(r)) <= {"-", "─", " "}]
-    assert header[:3] == ["TENANT", "DATASET", "SEQ"] and "POSITION" in header
+    assert header[:3] == ["TENANT", "DATASET", "SEQ"] and "CONSUMED" in header
     by_tenant = {r[0]: dict(zip(header, r, strict=True)) for r in body}
     assert set(by_tenant) == {"alice", MARKUP_TENANT}  # the markup printed as text
     assert by_tenant["alice"]["DATASET"] == "alpha" and by_tenant["alice"]["SEQ"] == "64"
     assert by_tenant[MARKUP_TENANT]["DATASET"] == "beta"
     api = server.get("/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     for job in api:
-        assert by_tenant[job["tenant"]]["POSITION"] == f"{job['position']:,}"
+        assert by_tenant[job["tenant"]]["CONSUMED"] == f"{job['consumed_position']:,}"
+        assert by_tenant[job["tenant"]]["PREFETCHED"] == f"{job['position']:,}"
         assert by_tenant[job["tenant"]]["JOB"] == job["id"]
 
     code, out, _ = run(capsys, "jobs", "--url", server.http, "--token", ALICE)

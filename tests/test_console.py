@@ -3,7 +3,7 @@
 The page is driven by Playwright in Debian's ``chromium`` (``scripts/install-chromium``
 installs it; without it, or without playwright, the browser tests skip saying so). Two
 trainers run against a tenants server while the page is open: it shows both jobs with
-their datasets and a position that moves; a tenant's token shows only its job; names are
+their datasets and a consumed position that moves; a tenant's token shows only its job; names are
 text, never HTML; the page and ``/docs`` load nothing from outside the server.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
-from tokenfeed import TokenFeedDataset
+from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed_server.auth import token_digest
 from tokenfeed_server.console import CONTENT_SECURITY_POLICY
 from tokenfeed_server.store import TokenizerInfo, write_dataset
@@ -70,9 +70,9 @@ name = "{BOB_NAME}"
 token_sha256 = "{token_digest(BOB)}"
 datasets = ["code"]
 """)
-    # Small chunks: the server's position (what it has sent) then moves with what the
-    # trainers consume instead of running a whole prefetch window ahead.
-    extra = ["--tenants", str(tenants), "--chunk-bytes", "4096"]
+    # Default chunks (a whole epoch per request here): the page's progress is what the
+    # trainers consumed, which moves although nothing more is requested.
+    extra = ["--tenants", str(tenants)]
     with LiveServer(root, extra=extra) as srv:
         yield srv
 
@@ -94,7 +94,7 @@ class Trainers:
                 srv.zmq, name, seq_len=seq_len, batch_size=2, rank=0, world_size=1,
                 samples=10**6, token=token, request_timeout=5.0, deadline=30.0,
             )  # fmt: skip
-            for _ in ds:
+            for _ in TokenFeedLoader(ds, num_workers=0, report_after=1.0):
                 # A training step's stand-in, so that the run lasts the whole test.
                 if self.stop.wait(STEP_S):
                     return
@@ -213,9 +213,9 @@ def job_rows(page: Any) -> list[dict[str, str]]:
     )
 
 
-def position(page: Any, dataset: str) -> int:
+def consumed(page: Any, dataset: str) -> int:
     [row] = [r for r in job_rows(page) if r["dataset"] == dataset]
-    return int(row["position"].replace(",", ""))
+    return int(row["consumed"].replace(",", ""))
 
 
 @pytest.mark.timeout(180)
@@ -229,12 +229,18 @@ def test_admin_sees_both_jobs_moving(
     assert rows["books"]["tenant"] == "alice" and rows["code"]["tenant"] == BOB_NAME
     assert rows["books"]["plan"].startswith("seq 64 · batch 2 · world 1")
     assert rows["books"]["workers"] == "1" and rows["books"]["retransmits"] == "0"
-    assert re.fullmatch(r"epoch \d+ · \d+\.\d%", rows["books"]["progress"].strip())
-    # The page refreshes itself: the position it shows moves while the trainers read.
-    before = position(page, "books")
-    cell = page.locator("#jobs tbody tr", has_text="books").locator("[data-field=position]")
+    books = page.locator("#jobs tbody tr", has_text="books")
+    # The bar is the trainer's consumed position, once it has reported one.
+    progress = books.locator("[data-field=progress]")
+    expect(progress).to_have_text(re.compile(r"^\s*epoch \d+ · \d+\.\d%\s*$"), timeout=30_000)
+    # The page refreshes itself: the consumed position moves while the trainers train,
+    # and the served (prefetched) one is ahead of it.
+    before = consumed(page, "books")
+    cell = books.locator("[data-field=consumed]")
     expect(cell).not_to_have_text(f"{before:,}", timeout=30_000)
-    assert position(page, "books") > before
+    assert consumed(page, "books") > before
+    [row] = [r for r in job_rows(page) if r["dataset"] == "books"]
+    assert int(row["prefetched"].replace(",", "")) >= int(row["consumed"].replace(",", ""))
     # Names are text: no element was made from a tenant name or a tokenizer kind.
     assert page.locator("#jobs tbody b").count() == 0
     assert page.locator("#datasets tbody img").count() == 0

@@ -23,6 +23,8 @@ EVERY = [
     protocol.Ping(),
     protocol.Pong(),
     protocol.Bye(),
+    protocol.Bye(consumed=1 << 40),
+    protocol.Get(req=1, job="j", rank=0, pos=64, count=1, stride=1, consumed=32),
 ]
 
 
@@ -54,6 +56,17 @@ def test_optional_field_left_out_at_its_default_and_filled_in() -> None:
     assert fields(with_fp)["fingerprint"] == "abc"
     decoded = protocol.decode_header(HELLO.header())
     assert isinstance(decoded, protocol.Hello) and decoded.fingerprint == ""
+
+
+def test_consumed_is_optional_on_get_and_bye() -> None:
+    """A client that does not know its consumed position sends what v2 always had."""
+    get = protocol.Get(req=1, job="j", rank=0, pos=0, count=1, stride=1)
+    assert "consumed" not in fields(get) and fields(protocol.Bye()) == {"v": 2, "t": "bye"}
+    assert fields(dataclasses.replace(get, consumed=0))["consumed"] == 0  # 0 is a position
+    bye = protocol.decode_header(packed({"v": 2, "t": "bye", "consumed": 96}))
+    assert bye == protocol.Bye(consumed=96)
+    with pytest.raises(ProtocolError, match=r"get\.consumed must be an integer"):
+        protocol.decode_header(dataclasses.replace(get, consumed=-2).header())
 
 
 def test_missing_required_field_is_named() -> None:

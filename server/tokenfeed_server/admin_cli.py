@@ -124,24 +124,24 @@ def _uptime(seconds: float) -> str:
 
 
 def render_jobs(jobs: list[dict[str, Any]]) -> Table:
-    """One row per job: who, what, the plan, and how far it is."""
+    """One row per job: who, what, the plan, and how far its training loop is (CONSUMED,
+    EPOCH, EPOCH %, TOKENS/S are the trainer's; PREFETCHED is what the server sent)."""
     table = _table(
-        "TENANT", "DATASET", "SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "POSITION", "EPOCH",
-        "EPOCH %", "TOKENS/S", "RETRANSMITS", "LAST REQUEST", "JOB",
-        right=("SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "POSITION", "EPOCH", "EPOCH %",
-               "TOKENS/S", "RETRANSMITS"),
+        "TENANT", "DATASET", "SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "CONSUMED",
+        "PREFETCHED", "EPOCH", "EPOCH %", "TOKENS/S", "RETRANSMITS", "LAST REQUEST", "JOB",
+        right=("SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "CONSUMED", "PREFETCHED", "EPOCH",
+               "EPOCH %", "TOKENS/S", "RETRANSMITS"),
     )  # fmt: skip
     for job in sorted(jobs, key=lambda j: (j["tenant"], j["dataset"], j["id"])):
-        windows = job.get("epoch_windows")
-        done = (
-            f"{100 * (job['position'] - job['epoch'] * windows) / windows:.1f}" if windows else "-"
-        )
+        at, epoch, windows = job["consumed_position"], job["consumed_epoch"], job["epoch_windows"]
+        done = "-" if at is None else f"{100 * (at - epoch * windows) / windows:.1f}"
         table.add_row(
             *_cells(
                 job["tenant"], job["dataset"], job["seq_len"], job["batch_size"],
-                job["world_size"], job["seed"], job["workers"], _count(job["position"]),
-                job["epoch"], done, f"{job['tokens_per_s']:,.0f}", _count(job["retransmits"]),
-                _ago(job.get("idle_s")), job["id"],
+                job["world_size"], job["seed"], job["workers"],
+                "-" if at is None else _count(at), _count(job["position"]),
+                "-" if epoch is None else epoch, done, f"{job['consumed_tokens_per_s']:,.0f}",
+                _count(job["retransmits"]), _ago(job["idle_s"]), job["id"],
             )
         )  # fmt: skip
     return table

@@ -94,7 +94,9 @@ class JobView(_Model):
     seed: int = Field(description="Seed of the job's sampling plan.")
     world_size: int = Field(description="Number of ranks sharing the plan.")
     weight: float = Field(description="The tenant's fair-share weight.")
-    workers: int = Field(description="Connections attached to the job now.")
+    workers: int = Field(
+        description="DataLoader workers attached now (distinct rank and worker indices)."
+    )
     requests: int = Field(description="Requests answered.")
     batches_served: int = Field(description="Batches sent.")
     tokens_served: int = Field(description="Tokens sent.")

@@ -619,9 +619,13 @@ class DataPlane:
                 and now - job.last_active > self.config.job_ttl_s
             ):
                 self._drop_job(jid)
-        self.snapshot = self._make_snapshot(now, attached)
+        self.snapshot = self._make_snapshot(now)
 
-    def _make_snapshot(self, now: float, attached: collections.Counter[str]) -> dict[str, Any]:
+    def _make_snapshot(self, now: float) -> dict[str, Any]:
+        # Workers, not connections: the loader's short progress reports and its hello before
+        # starting workers come as (rank, worker 0) too, and are no extra worker.
+        workers = {(p.job, p.rank, p.worker) for p in self.peers.values()}
+        per_job = collections.Counter(jid for jid, _, _ in workers)
         jobs = []
         for job in self.jobs.values():
             windows = job.plan.n_windows
@@ -640,7 +644,7 @@ class DataPlane:
                     "seed": job.spec.seed,
                     "world_size": job.spec.world_size,
                     "weight": job.weight,
-                    "workers": attached[job.id],
+                    "workers": per_job[job.id],
                     "requests": job.requests,
                     "batches_served": job.batches,
                     "tokens_served": job.tokens,

@@ -115,7 +115,7 @@
     for (const job of jobs) {
       seen.add(job.id);
       const points = history.get(job.id) || [];
-      points.push([now, job.tokens_per_s]);
+      points.push([now, job.consumed_tokens_per_s]);
       while (points.length && now - points[0][0] > HISTORY_S) points.shift();
       history.set(job.id, points);
     }
@@ -137,23 +137,27 @@
       tr.dataset.job = job.id;
       tr.title = `job ${job.id}`;
       const plan = `seq ${job.seq_len} · batch ${job.batch_size} · world ${job.world_size} · seed ${job.seed}`;
+      // Progress is the training loop's (what it consumed), not the server's prefetch;
+      // a trainer that has not reported yet shows a dash.
       let progress = [el("span", "—", "muted")];
-      if (job.epoch_windows) {
-        const into = job.position - job.epoch * job.epoch_windows;
+      if (job.consumed_position !== null) {
+        const into = job.consumed_position - job.consumed_epoch * job.epoch_windows;
         const bar = el("progress");
         bar.max = job.epoch_windows;
         bar.value = into;
         const pct = ((100 * into) / job.epoch_windows).toFixed(1);
-        progress = [bar, el("span", `epoch ${job.epoch} · ${pct}%`, "progress-label")];
+        progress = [bar, el("span", `epoch ${job.consumed_epoch} · ${pct}%`, "progress-label")];
       }
+      const consumed = job.consumed_position === null ? "—" : int(job.consumed_position);
       tr.append(
         cell("tenant", job.tenant),
         cell("dataset", job.dataset),
         cell("plan", plan),
         cell("workers", job.workers, "num"),
-        cell("position", int(job.position), "num"),
+        cell("consumed", consumed, "num"),
+        cell("prefetched", int(job.position), "num"),
         cell("progress", progress),
-        cell("rate", [el("span", short(job.tokens_per_s)), sparkline(history.get(job.id))], "num"),
+        cell("rate", [el("span", short(job.consumed_tokens_per_s)), sparkline(history.get(job.id))], "num"),
         cell("retransmits", int(job.retransmits), "num"),
         cell("idle", duration(job.idle_s)),
       );
