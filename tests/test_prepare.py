@@ -20,6 +20,7 @@ import zstandard
 
 from tokenfeed.errors import BadRecord, DatasetExists, DatasetNotFound, PrepareError
 from tokenfeed.plan import splitmix64
+from tokenfeed_server.doc_order import path_hash
 from tokenfeed_server.prepare import (
     PrepareConfig,
     PrepareStats,
@@ -154,17 +155,62 @@ def test_shuffle_differs_from_input_and_is_reproducible(tmp_path: Path) -> None:
 
 
 def test_document_keys_are_pinned_and_use_the_plans_splitmix64() -> None:
-    # Pinned: a change reorders every dataset built from now on (values recorded from the
-    # implementation that built the existing datasets).
-    assert document_keys(0, 0, 3).tolist() == [
-        0x6DB6CA64564DAEAA, 0x5CC60547776902BA, 0x2A4C004B6AE97D7F]  # fmt: skip
-    assert document_keys(7, 2**40, 1).tolist() == [0x0AC2D0AF3B6E6810]
-    assert document_keys(2**64 - 1, 5, 1).tolist() == [0x47BDE57A583D423C]
-    assert document_keys(2**64 - 1, 2**63, 1).tolist() == [0xE48ED03DE809004F]
+    # Pinned: a change reorders every dataset prepared from then on. Set on purpose when
+    # keys became a function of (seed, path relative to the root, record number): datasets
+    # prepared before that get a new order if prepared again.
+    assert path_hash("a.jsonl") == 0xDECE991D34A83DF2
+    assert path_hash("dir/doc0.txt") == 0xB42E744268F87C76
+    assert document_keys(0, path_hash("a.jsonl"), np.arange(3)).tolist() == [
+        0x61B39FDC8D5625C0, 0x0C348166A026CDD9, 0x9E2DE02468ADEABC]  # fmt: skip
+    assert document_keys(7, path_hash("dir/doc0.txt"), [0, 2**40]).tolist() == [
+        0xF8E76D5CDCEAAA4E, 0x8C09D87BEE3713E5]  # fmt: skip
+    assert document_keys(2**64 - 1, [0, 2**64 - 1], [5, 2**63]).tolist() == [
+        0x7D5CB2DD2126A746, 0x3CB8A3FB8F45391A]  # fmt: skip
     # One mixer for plan and prepare: the vectorised form gives the scalar's bits.
     states = [0, 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15]
     vector = splitmix64(np.array(states, dtype=np.uint64)).tolist()
     assert vector == [splitmix64(x) for x in states]
+
+
+def test_order_is_sorted_by_key_of_path_and_record(tmp_path: Path) -> None:
+    # The dataset is the documents sorted by (key, path, record), the keys computed from
+    # the path relative to the inputs' root: a blank line keeps the numbers after it.
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    a = _jsonl(root / "a.jsonl", [json.dumps({"text": f"a{i}"}) for i in range(40)])
+    b = _jsonl(root / "sub" / "b.jsonl", ["", *(json.dumps({"text": f"b{i}"}) for i in range(40))])
+    prepare(_config([a, root / "sub"], tmp_path / "s", seed=5))
+    expected = sorted(
+        [(int(document_keys(5, path_hash("a.jsonl"), [i])[0]), "a.jsonl", i, f"a{i}")
+         for i in range(40)]
+        + [(int(document_keys(5, path_hash("sub/b.jsonl"), [i + 1])[0]), "sub/b.jsonl", i + 1,
+            f"b{i}") for i in range(40)]
+    )  # fmt: skip
+    assert _order(tmp_path / "s", "d") == [t for *_, t in expected]
+    assert b.exists()
+
+
+def test_order_depends_on_identity_not_on_place_or_neighbours(tmp_path: Path) -> None:
+    texts = _texts(200, seed=9)
+    lines = [json.dumps({"text": t}) for t in texts]
+    first = _write_corpus(tmp_path / "one", texts)
+    second = _write_corpus(tmp_path / "elsewhere" / "two", texts)
+    prepare(_config(first, tmp_path / "s1"))
+    prepare(_config(second, tmp_path / "s2"))
+    # The same corpus in another directory: the same bytes (paths are relative to the root).
+    one, two = open_dataset(tmp_path / "s1", "d"), open_dataset(tmp_path / "s2", "d")
+    assert one.fingerprint == two.fingerprint
+    # Skipped bad records keep their record numbers: the kept documents keep their keys,
+    # so skipping a line orders the rest exactly as a blank line there would.
+    bad = [line if i % 7 else "{broken" for i, line in enumerate(lines)]
+    blank = [line if i % 7 else "" for i, line in enumerate(lines)]
+    _jsonl((tmp_path / "bad").mkdir() or tmp_path / "bad" / "c.jsonl", bad)
+    _jsonl((tmp_path / "blank").mkdir() or tmp_path / "blank" / "c.jsonl", blank)
+    stats = PrepareStats()
+    prepare(_config([tmp_path / "bad"], tmp_path / "s", dataset="bad", skip_bad=True), stats)
+    prepare(_config([tmp_path / "blank"], tmp_path / "s", dataset="blank"))
+    assert stats.corpus.bad_records == len(range(0, 200, 7))
+    assert _order(tmp_path / "s", "bad") == _order(tmp_path / "s", "blank")
 
 
 def test_bounded_memory_on_corpus_many_times_the_budget(tmp_path: Path) -> None:

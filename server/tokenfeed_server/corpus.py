@@ -32,14 +32,23 @@ from typing import IO, Any, TypeAlias
 
 from tokenfeed.errors import BadRecord, PrepareError
 
-__all__ = ["CorpusStats", "estimate_text_bytes", "expand_inputs", "iter_documents"]
+__all__ = [
+    "MAX_LOGGED_BAD",
+    "CorpusStats",
+    "count_bad",
+    "estimate_text_bytes",
+    "expand_inputs",
+    "iter_documents",
+    "iter_file_records",
+    "iter_records",
+]
 
 log = logging.getLogger(__name__)
 
 _COMPRESSED = (".gz", ".zst")
 _JSONL = (".jsonl", ".ndjson")
 _WALKED = (".txt", ".text", ".md", ".rst", *_JSONL, ".parquet")
-_MAX_LOGGED_BAD = 20
+MAX_LOGGED_BAD = 20
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
@@ -115,35 +124,69 @@ def iter_documents(
     stats: CorpusStats | None = None,
 ) -> Iterator[str]:
     """Yield every non-empty document text of ``files`` in order."""
+    for _, _, text in iter_records(files, text_field=text_field, skip_bad=skip_bad, stats=stats):
+        yield text
+
+
+def iter_records(
+    files: Sequence[Path],
+    *,
+    text_field: str = "text",
+    skip_bad: bool = False,
+    stats: CorpusStats | None = None,
+) -> Iterator[tuple[int, int, str]]:
+    """Yield ``(file index, record number, text)`` for every non-empty document, in order.
+
+    A bad record raises its BadRecord, or with ``skip_bad`` is logged (the first few),
+    counted and skipped; empty documents are counted and skipped. Either keeps its record
+    number, so the records after it keep theirs.
+    """
     stats = stats if stats is not None else CorpusStats()
-    for path in files:
+    for index, path in enumerate(files):
         stats.files += 1
-        fmt = _base_suffix(path)
-        if fmt in _JSONL:
-            records = _iter_jsonl(path, text_field)
-        elif fmt == ".parquet":
-            records = _iter_parquet(path, text_field)
-        else:
-            records = _iter_text_file(path)
-        for text in records:
-            if isinstance(text, BadRecord):
-                if not skip_bad:
-                    raise text
-                stats.bad_records += 1
-                if stats.bad_records <= _MAX_LOGGED_BAD:
-                    log.warning("skipped bad record: %s", text)
+        for record, item in iter_file_records(path, text_field=text_field):
+            if isinstance(item, BadRecord):
+                count_bad(item, skip_bad=skip_bad, stats=stats)
                 continue
-            if not text:
+            if not item:
                 stats.empty_documents += 1
                 continue
             stats.documents += 1
-            stats.text_bytes += len(text)
-            yield text
+            stats.text_bytes += len(item)
+            yield index, record, item
+
+
+def count_bad(bad: BadRecord, *, skip_bad: bool, stats: CorpusStats) -> None:
+    """Raise ``bad``, or with ``skip_bad`` count it (and log the first few)."""
+    if not skip_bad:
+        raise bad
+    stats.bad_records += 1
+    if stats.bad_records <= MAX_LOGGED_BAD:
+        log.warning("skipped bad record: %s", bad)
+
+
+def iter_file_records(
+    path: Path, *, text_field: str = "text", label: Path | None = None
+) -> Iterator[tuple[int, str | BadRecord]]:
+    """Yield ``(record number, text or BadRecord)`` for each record of one file.
+
+    The record number is a JSONL line's 0-based line number (blank lines are skipped but
+    counted), a parquet row's 0-based index, 0 for a whole-file document. Messages name
+    the file as ``label`` (default: ``path``), so a worker reading an absolute path
+    reports the path the user gave.
+    """
+    shown = label if label is not None else path
+    fmt = _base_suffix(path)
+    if fmt in _JSONL:
+        return _iter_jsonl(path, shown, text_field)
+    if fmt == ".parquet":
+        return _iter_parquet(path, shown, text_field)
+    return _iter_text_file(path, shown)
 
 
 # The readers below *yield* a BadRecord instead of raising it: a generator that raises
 # is finished, and --skip-bad must go on with the next line of the same file.
-_Item: TypeAlias = "str | BadRecord"
+_Item: TypeAlias = "tuple[int, str | BadRecord]"
 
 
 def _bad(path: Path, line: int | None, what: str) -> BadRecord:
@@ -156,27 +199,27 @@ def _read_error(path: Path, exc: Exception) -> BadRecord:
     return _bad(path, None, f"cannot read file ({type(exc).__name__}: {reason})")
 
 
-def _iter_text_file(path: Path) -> Iterator[_Item]:
+def _iter_text_file(path: Path, shown: Path) -> Iterator[_Item]:
     try:
         with _open_binary(path) as f:
             data = f.read()
     except Exception as exc:  # OSError, gzip/zstd corruption, EOFError: all "unreadable"
-        yield _read_error(path, exc)
+        yield 0, _read_error(shown, exc)
         return
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        yield _bad(path, line, f"not valid UTF-8 (byte offset {exc.start})")
+        yield 0, _bad(shown, line, f"not valid UTF-8 (byte offset {exc.start})")
         return
-    yield text
+    yield 0, text
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[_Item]:
+def _iter_jsonl(path: Path, shown: Path, text_field: str) -> Iterator[_Item]:
     try:
         f = _open_binary(path)
     except OSError as exc:
-        yield _read_error(path, exc)
+        yield 0, _read_error(shown, exc)
         return
     with f:
         lineno = 0
@@ -184,17 +227,17 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[_Item]:
             try:
                 raw = f.readline()
             except Exception as exc:
-                yield _read_error(path, exc)
+                yield lineno, _read_error(shown, exc)
                 return
             if not raw:
                 return
             lineno += 1
             if not raw.strip():
                 continue
-            yield _parse_json_line(path, lineno, raw, text_field)
+            yield lineno - 1, _parse_json_line(shown, lineno, raw, text_field)
 
 
-def _parse_json_line(path: Path, lineno: int, raw: bytes, text_field: str) -> _Item:
+def _parse_json_line(path: Path, lineno: int, raw: bytes, text_field: str) -> str | BadRecord:
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -219,26 +262,26 @@ def _parse_json_line(path: Path, lineno: int, raw: bytes, text_field: str) -> _I
     return text
 
 
-def _iter_parquet(path: Path, text_field: str) -> Iterator[_Item]:
+def _iter_parquet(path: Path, shown: Path, text_field: str) -> Iterator[_Item]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise PrepareError(
-            f"{path}: reading parquet needs pyarrow: pip install 'tokenfeed-server[parquet]'"
+            f"{shown}: reading parquet needs pyarrow: pip install 'tokenfeed-server[parquet]'"
         ) from None
+    row = 0
     try:
         pf = pq.ParquetFile(path)
         if text_field not in pf.schema_arrow.names:
-            yield _bad(path, None, f"no column {text_field!r} (use --text-field)")
+            yield 0, _bad(shown, None, f"no column {text_field!r} (use --text-field)")
             return
-        row = 0
         for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
             for value in batch.column(0).to_pylist():
                 row += 1
                 if isinstance(value, str):
-                    yield value
+                    yield row - 1, value
                 else:
                     what = f"column {text_field!r} is {type(value).__name__}, not a string"
-                    yield _bad(path, row, what)
+                    yield row - 1, _bad(shown, row, what)
     except Exception as exc:  # pyarrow raises its own ArrowException family
-        yield _read_error(path, exc)
+        yield row, _read_error(shown, exc)

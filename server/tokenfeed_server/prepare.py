@@ -5,22 +5,24 @@ Two passes, memory bounded by ``PrepareConfig.memory_mb`` and never by the corpu
 1. *Scatter*: documents are read in order and tokenized in chunks, in this process by
    default (``workers > 1``: by a process pool, at most ``2 * workers`` chunks in
    flight). A document longer than a chunk is encoded in pieces (see
-   :meth:`~tokenfeed_server.tokenizer.Tokenizer.encode_batch`). Document ``i`` gets a
-   random 64-bit key ``document_keys(seed, i)``; its tokens go to the on-disk bucket
-   named by the key's top bits. Bucket writes are buffered and flushed when the buffers
-   reach a quarter of the budget.
+   :meth:`~tokenfeed_server.tokenizer.Tokenizer.encode_batch`). Each document gets the
+   random 64-bit key of its identity (:mod:`tokenfeed_server.doc_order`); its tokens go
+   to the on-disk bucket named by the key's top bits. Bucket writes are buffered and
+   flushed when the buffers reach a quarter of the budget.
 2. *Gather*: buckets are loaded one at a time, their documents sorted by key, and
-   streamed into :class:`~tokenfeed_server.store.writer.DatasetWriter`. A bucket larger
+   streamed into :class:`~tokenfeed_server.store.writer.DatasetWriter`, which cuts shards
+   at fixed offsets of the token stream. A bucket larger
    than its share of the budget is split on disk by the next key bits first
    (recursively).
 
 A ``bpe:VOCAB`` tokenizer is first trained on the first ``bpe_train_mb`` of the inputs.
 
-So the output order is "all documents sorted by a seeded random key": a uniform global
+So the output order is "all documents sorted by ``(key, path, record)``": a uniform global
 shuffle that depends only on the seed and the corpus, not on the memory budget, the
-number of workers, or how buckets were split. The writer and all scratch files live in
-``.tmp-`` directories inside the store, removed on any error or interrupt (and, after a
-SIGKILL, by the next run).
+number of workers, how buckets were split, or the engine (``engine="ray"`` runs the same
+steps on a Ray cluster: :mod:`tokenfeed_server.prepare_ray`). The writer and all scratch
+files live in ``.tmp-`` directories inside the store, removed on any error or interrupt
+(and, after a SIGKILL, by the next run).
 """
 
 from __future__ import annotations
@@ -39,14 +41,19 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
-import numpy.typing as npt
 
 from tokenfeed.errors import DatasetExists, PrepareError
-from tokenfeed.plan import splitmix64
-from tokenfeed_server.corpus import CorpusStats, estimate_text_bytes, expand_inputs, iter_documents
+from tokenfeed_server.corpus import (
+    CorpusStats,
+    estimate_text_bytes,
+    expand_inputs,
+    iter_documents,
+    iter_records,
+)
+from tokenfeed_server.doc_order import CorpusFiles, corpus_files, document_keys
 from tokenfeed_server.progress import Progress
 from tokenfeed_server.store.format import MANIFEST_NAME
 from tokenfeed_server.store.manifest import Manifest
@@ -68,10 +75,11 @@ log = logging.getLogger(__name__)
 _MAX_BUCKET_BITS = 12
 _SPLIT_BITS = 4
 _CHUNK_DOCS = 4096
-# The document-key generator's constants (see document_keys); fixed forever.
-_GOLDEN = 0x9E3779B97F4A7C15
-_SEED_MULT = 0xD1B54A32D192ED03
-_SEED_ADD = 0x632BE59BD9B4E019
+# A bucket's index: per document its length, key, file rank and record number.
+_IDX_COLUMNS = 4
+_IDX_BYTES = 8 * _IDX_COLUMNS
+
+Engine = Literal["local", "ray"]
 
 
 # write() errors that mean "no room": a full disk, a full quota, a file-size limit.
@@ -100,6 +108,8 @@ class PrepareConfig:
     eos_token: str | None = None
     progress: bool | None = None  # None: a bar on a terminal, log lines otherwise
     bpe_train_mb: float = 64.0  # bpe:VOCAB trains on this many MB, the inputs' first
+    engine: Engine = "local"  # "ray": tokenize and sort on a Ray cluster (same bytes)
+    ray_address: str | None = None  # a Ray cluster to join; None: RAY_ADDRESS, or a local one
 
     @property
     def memory_bytes(self) -> int:
@@ -133,22 +143,6 @@ class PrepareStats:
     seconds: float = 0.0
 
 
-def document_keys(seed: int, first: int, count: int) -> npt.NDArray[np.uint64]:
-    """The shuffle keys of documents ``first .. first + count - 1`` for ``seed``.
-
-    Key ``i`` is :func:`tokenfeed.plan.splitmix64` of the state ``i * gamma + offset(seed)``:
-    the ``i``-th draw of a splitmix64 generator whose start depends on the seed. Pinned by
-    tests: changing it changes every dataset's order.
-    """
-    offset = (seed * _SEED_MULT + _SEED_ADD - _GOLDEN) % (1 << 64)
-    with np.errstate(over="ignore"):
-        state: npt.NDArray[np.uint64] = np.arange(
-            first, first + count, dtype=np.uint64
-        ) * np.uint64(_GOLDEN)
-        state += np.uint64(offset)
-    return splitmix64(state)
-
-
 # ------------------------------------------------------------------ buckets on disk
 
 
@@ -156,7 +150,8 @@ class _Buckets:
     """Documents scattered into ``n = 2**bits`` bucket files by bits of their key.
 
     Bucket ``b`` is ``b<b>.tok`` (tokens back to back) and ``b<b>.idx`` (per document:
-    uint64 length, uint64 key). ``shift`` selects which key bits pick the bucket.
+    uint64 length, key, file rank, record). ``shift`` selects which key bits pick the
+    bucket; documents with equal keys share a bucket, so each sorts completely on its own.
     """
 
     def __init__(
@@ -176,7 +171,9 @@ class _Buckets:
     def paths(self, b: int) -> tuple[Path, Path]:
         return self.dir / f"b{b}.tok", self.dir / f"b{b}.idx"
 
-    def add(self, tokens: np.ndarray, lengths: np.ndarray, keys: np.ndarray) -> None:
+    def add(self, tokens: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> None:
+        """Add documents; ``ids`` is their (key, file rank, record) rows, uint64."""
+        keys = ids[:, 0]
         if self.n == 1:
             which = np.zeros(len(lengths), dtype=np.uint16)
         else:
@@ -186,7 +183,7 @@ class _Buckets:
         tok_order = np.argsort(np.repeat(which, lengths), kind="stable")
         doc_counts = np.bincount(which, minlength=self.n)
         tok_counts = np.bincount(which, weights=lengths, minlength=self.n).astype(np.int64)
-        idx = np.stack([lengths.astype(np.uint64), keys], axis=1)[doc_order]
+        idx = np.column_stack([lengths.astype(np.uint64), ids])[doc_order]
         grouped = tokens[tok_order]
         d = t = 0
         for b in np.flatnonzero(doc_counts).tolist():
@@ -218,11 +215,12 @@ class _Buckets:
 def _iter_bucket_pieces(
     tok_path: Path, idx_path: Path, dtype: np.dtype[Any], max_bytes: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Stream a bucket as (tokens, lengths, keys) pieces of about ``max_bytes``."""
-    docs_per_read = max(1, max_bytes // 16)
+    """Stream a bucket as (tokens, lengths, ids) pieces of about ``max_bytes``."""
+    docs_per_read = max(1, max_bytes // _IDX_BYTES)
     with tok_path.open("rb") as tok_f, idx_path.open("rb") as idx_f:
         while True:
-            idx = np.fromfile(idx_f, dtype=np.uint64, count=2 * docs_per_read).reshape(-1, 2)
+            idx = np.fromfile(idx_f, dtype=np.uint64, count=_IDX_COLUMNS * docs_per_read)
+            idx = idx.reshape(-1, _IDX_COLUMNS)
             if len(idx) == 0:
                 return
             lengths = idx[:, 0].astype(np.int64)
@@ -234,7 +232,7 @@ def _iter_bucket_pieces(
                 stop = max(stop, start + 1)
                 count = int(lengths[start:stop].sum())
                 tokens = np.fromfile(tok_f, dtype=dtype, count=count)
-                yield tokens, lengths[start:stop], idx[start:stop, 1]
+                yield tokens, lengths[start:stop], idx[start:stop, 1:]
                 start = stop
 
 
@@ -256,40 +254,63 @@ def _encode_chunk(texts: list[str], max_chars: int) -> tuple[np.ndarray, np.ndar
     return _WORKER_TOKENIZER.encode_batch(texts, max_chars=max_chars)
 
 
-def _chunks(texts: Iterable[str], max_bytes: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
+Chunk = tuple[list[str], list[int], list[int]]
+
+
+def chunks(records: Iterable[tuple[int, int, str]], max_bytes: int) -> Iterator[Chunk]:
+    """Group ``(file, record, text)`` into ``(texts, files, records)`` of about ``max_bytes``."""
+    texts: list[str] = []
+    files: list[int] = []
+    numbers: list[int] = []
     size = 0
-    for text in texts:
-        chunk.append(text)
+    for file, record, text in records:
+        texts.append(text)
+        files.append(file)
+        numbers.append(record)
         size += len(text)
-        if size >= max_bytes or len(chunk) >= _CHUNK_DOCS:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
+        if size >= max_bytes or len(texts) >= _CHUNK_DOCS:
+            yield texts, files, numbers
+            texts, files, numbers, size = [], [], [], 0
+    if texts:
+        yield texts, files, numbers
+
+
+def chunk_ids(seed: int, corpus: CorpusFiles, files: list[int], records: list[int]) -> np.ndarray:
+    """The (key, file rank, record) rows of a chunk's documents, uint64: their sort order."""
+    which = np.asarray(files, dtype=np.int64)
+    numbers = np.asarray(records, dtype=np.uint64)
+    keys = document_keys(seed, corpus.hashes[which], numbers)
+    return np.column_stack([keys, corpus.ranks[which].astype(np.uint64), numbers])
 
 
 def _encoded_chunks(
-    tokenizer: Tokenizer, texts: Iterable[str], workers: int, chunk_bytes: int, call_chars: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    tokenizer: Tokenizer,
+    records: Iterable[tuple[int, int, str]],
+    workers: int,
+    chunk_bytes: int,
+    call_chars: int,
+) -> Iterator[tuple[np.ndarray, np.ndarray, Chunk]]:
     """Tokenize in order; with several workers, a bounded window of chunks in flight."""
     if workers <= 1:
-        for chunk in _chunks(texts, chunk_bytes):
-            yield tokenizer.encode_batch(chunk, max_chars=call_chars)
+        for chunk in chunks(records, chunk_bytes):
+            yield (*tokenizer.encode_batch(chunk[0], max_chars=call_chars), chunk)
         return
     # spawn, not fork: the parent may hold Rust/tqdm threads that a fork would copy mid-lock.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
-        pending: deque[Any] = deque()
-        for chunk in _chunks(texts, chunk_bytes):
-            pending.append(pool.apply_async(_encode_chunk, (chunk, call_chars)))
+        pending: deque[tuple[Any, Chunk]] = deque()
+        for chunk in chunks(records, chunk_bytes):
+            pending.append((pool.apply_async(_encode_chunk, (chunk[0], call_chars)), chunk))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                result, done = pending.popleft()
+                yield (*result.get(), done)
         while pending:
-            yield pending.popleft().get()
+            result, done = pending.popleft()
+            yield (*result.get(), done)
 
 
-def _build_tokenizer(config: PrepareConfig, files: list[Path]) -> Tokenizer:
+def build_tokenizer(config: PrepareConfig, files: list[Path]) -> Tokenizer:
+    """The run's tokenizer; ``bpe:VOCAB`` is trained here on the inputs' first MB."""
     kind, arg = parse_spec(config.tokenizer)
     if kind == "byte":
         return ByteTokenizer()
@@ -306,6 +327,20 @@ def _build_tokenizer(config: PrepareConfig, files: list[Path]) -> Tokenizer:
     return train_bpe(texts, arg, max_bytes=config.bpe_train_bytes, progress=config.progress)
 
 
+def chunk_sizes(config: PrepareConfig, workers: int) -> tuple[int, int]:
+    """Text per tokenized chunk and characters per tokenizer call, from the budget.
+
+    Budget shares: scatter buffers 1/4, chunks in flight 1/8, a loaded bucket 1/4 (x2 for
+    its sorted copy), leaving room for the interpreter's own overhead. One tokenizers call
+    holds some 400 bytes per character (measured), so a call is held to about a tenth of
+    the budget per worker.
+    """
+    budget = config.memory_bytes
+    chunk_bytes = max(1 << 12, min(1 << 20, budget // (8 * 2 * max(workers, 1) * 4)))
+    call_chars = max(1 << 12, min(chunk_bytes, budget // (4096 * max(workers, 1))))
+    return chunk_bytes, call_chars
+
+
 def _bucket_bits(estimated_bytes: int, bucket_bytes: int) -> int:
     if estimated_bytes <= bucket_bytes:
         return 0
@@ -320,41 +355,28 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
     """
     stats = stats if stats is not None else PrepareStats()
     started = time.perf_counter()
-    validate_dataset_name(config.dataset)
-    if config.memory_bytes < 1 << 20:
-        raise PrepareError(f"--memory-mb must be at least 1, got {config.memory_mb}")
-    target = config.store / config.dataset
-    if target.exists() and not config.overwrite:
-        raise DatasetExists(
-            f"dataset {config.dataset!r} already exists in {config.store}; pass --overwrite"
-        )
-    files = expand_inputs(config.inputs)
-    if not files:
-        raise PrepareError(
-            f"no input files found in {', '.join(map(str, config.inputs)) or '(no inputs)'}"
-        )
-    config.store.mkdir(parents=True, exist_ok=True)
-    for stale in clean_stale_temp_dirs(config.store):
-        log.info("removed stale temp dir %s of an interrupted run", stale)
-    tokenizer = _build_tokenizer(config, files)
+    files = check_and_list_inputs(config)
+    if config.engine == "ray":
+        from tokenfeed_server.prepare_ray import prepare_ray
+
+        manifest = prepare_ray(config, files, stats)
+        stats.seconds = time.perf_counter() - started
+        return manifest
+    tokenizer = build_tokenizer(config, files)
     text_bytes = estimate_text_bytes(files)
     scratch = make_temp_dir(config.store, config.dataset)
     try:
         extra: dict[str, Path] = {}
-        with _store_full_as_error(config, "scratch buckets", stats, text_bytes, tokenizer):
+        with store_full_as_error(config, "scratch buckets", stats, text_bytes, tokenizer):
             tokenizer_json = tokenizer.json()
             if tokenizer_json is not None and tokenizer.info.file:
                 (scratch / tokenizer.info.file).write_text(tokenizer_json, encoding="utf-8")
                 extra[tokenizer.info.file] = scratch / tokenizer.info.file
             buckets = _scatter(config, files, tokenizer, scratch / "buckets", stats)
         if stats.corpus.documents == 0:
-            raise PrepareError(
-                f"empty corpus: no non-empty documents in {len(files)} input file(s) "
-                f"({stats.corpus.bad_records} bad records, "
-                f"{stats.corpus.empty_documents} empty documents)"
-            )
+            raise empty_corpus_error(len(files), stats.corpus)
         with (
-            _store_full_as_error(config, "shards", stats, text_bytes, tokenizer),
+            store_full_as_error(config, "shards", stats, text_bytes, tokenizer),
             DatasetWriter(
                 config.store,
                 config.dataset,
@@ -382,8 +404,39 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
     return manifest
 
 
+def check_and_list_inputs(config: PrepareConfig) -> list[Path]:
+    """Check what can be checked before any work; clean stale temp dirs; list the files."""
+    validate_dataset_name(config.dataset)
+    if config.memory_bytes < 1 << 20:
+        raise PrepareError(f"--memory-mb must be at least 1, got {config.memory_mb}")
+    if config.engine not in ("local", "ray"):
+        raise PrepareError(f"--engine must be local or ray, got {config.engine!r}")
+    target = config.store / config.dataset
+    if target.exists() and not config.overwrite:
+        raise DatasetExists(
+            f"dataset {config.dataset!r} already exists in {config.store}; pass --overwrite"
+        )
+    files = expand_inputs(config.inputs)
+    if not files:
+        raise PrepareError(
+            f"no input files found in {', '.join(map(str, config.inputs)) or '(no inputs)'}"
+        )
+    config.store.mkdir(parents=True, exist_ok=True)
+    for stale in clean_stale_temp_dirs(config.store):
+        log.info("removed stale temp dir %s of an interrupted run", stale)
+    return files
+
+
+def empty_corpus_error(n_files: int, corpus: CorpusStats) -> PrepareError:
+    """The error for a corpus with no non-empty document."""
+    return PrepareError(
+        f"empty corpus: no non-empty documents in {n_files} input file(s) "
+        f"({corpus.bad_records} bad records, {corpus.empty_documents} empty documents)"
+    )
+
+
 @contextlib.contextmanager
-def _store_full_as_error(
+def store_full_as_error(
     config: PrepareConfig, what: str, stats: PrepareStats, text_bytes: int, tokenizer: Tokenizer
 ) -> Iterator[None]:
     """Turn a write refused for lack of space into StoreFull saying how much is needed.
@@ -423,26 +476,20 @@ def _scatter(
     budget = config.memory_bytes
     workers = config.resolved_workers()
     itemsize = tokenizer.dtype.itemsize
-    # Budget shares: scatter buffers 1/4, chunks in flight 1/8, a loaded bucket 1/4 (x2
-    # for its sorted copy), leaving room for the interpreter's own overhead.
     bucket_bytes = budget // 4
-    chunk_bytes = max(1 << 12, min(1 << 20, budget // (8 * 2 * max(workers, 1) * 4)))
-    # What one tokenizers call encodes: its encodings hold some 400 bytes per character
-    # (measured), so a call is held to about a tenth of the budget per worker.
-    call_chars = max(1 << 12, min(chunk_bytes, budget // (4096 * max(workers, 1))))
+    chunk_bytes, call_chars = chunk_sizes(config, workers)
     estimated = estimate_text_bytes(files) * itemsize
     bits = _bucket_bits(estimated, bucket_bytes)
     buckets = _Buckets(directory, bits, 64 - bits, tokenizer.dtype, flush_bytes=budget // 4)
     stats.buckets = buckets.n
-    texts = iter_documents(
+    corpus = corpus_files(config.inputs, files)
+    records = iter_records(
         files, text_field=config.text_field, skip_bad=config.skip_bad, stats=stats.corpus
     )
-    doc_index = 0
+    encoded = _encoded_chunks(tokenizer, records, workers, chunk_bytes, call_chars)
     with Progress(enabled=config.progress, desc=f"prepare {config.dataset}") as progress:
-        for tokens, lengths in _encoded_chunks(tokenizer, texts, workers, chunk_bytes, call_chars):
-            keys = document_keys(config.seed, doc_index, len(lengths))
-            doc_index += len(lengths)
-            buckets.add(tokens, lengths, keys)
+        for tokens, lengths, (_, in_files, numbers) in encoded:
+            buckets.add(tokens, lengths, chunk_ids(config.seed, corpus, in_files, numbers))
             stats.tokens += len(tokens) + len(lengths)
             progress.update(len(lengths), len(tokens) + len(lengths), stats.corpus.text_bytes)
     buckets.flush()
@@ -464,7 +511,7 @@ def _gather_bucket(
         return
     size = tok_path.stat().st_size + idx_path.stat().st_size
     limit = config.memory_bytes // 4
-    n_docs = idx_path.stat().st_size // 16
+    n_docs = idx_path.stat().st_size // _IDX_BYTES
     if size > limit and n_docs > 1 and depth_bits < 64:
         bits = min(_SPLIT_BITS, 64 - depth_bits)
         sub = _Buckets(
@@ -474,10 +521,10 @@ def _gather_bucket(
             buckets.dtype,
             flush_bytes=config.memory_bytes // 4,
         )
-        for tokens, lengths, keys in _iter_bucket_pieces(
+        for tokens, lengths, ids in _iter_bucket_pieces(
             tok_path, idx_path, buckets.dtype, limit // 2
         ):
-            sub.add(tokens, lengths, keys)
+            sub.add(tokens, lengths, ids)
         sub.flush()
         tok_path.unlink()
         idx_path.unlink()
@@ -489,11 +536,12 @@ def _gather_bucket(
         shutil.rmtree(sub.dir, ignore_errors=True)
         return
     stats.peak_bucket_bytes = max(stats.peak_bucket_bytes, size)
-    idx = np.fromfile(idx_path, dtype=np.uint64).reshape(-1, 2)
+    idx = np.fromfile(idx_path, dtype=np.uint64).reshape(-1, _IDX_COLUMNS)
     tokens = np.fromfile(tok_path, dtype=buckets.dtype)
     lengths = idx[:, 0].astype(np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    order = np.argsort(idx[:, 1], kind="stable").tolist()
+    # (key, file rank, record): unique, so the order is the same however docs arrived.
+    order = np.lexsort((idx[:, 3], idx[:, 2], idx[:, 1])).tolist()
     del idx
     # Emit in pieces so the copy in sorted order never holds a second whole bucket.
     piece_tokens = max(1, config.memory_bytes // (16 * buckets.dtype.itemsize))
