@@ -3,8 +3,9 @@
 Built with the project's own ``docker/Dockerfile`` and ``compose.yaml`` (copied with the
 sources when the test starts); what differs on a machine with no registry and no torch
 index comes in only through ``tests/docker/compose.test.yaml`` (build arguments) and the
-local ``python:*-slim`` stand-ins that ``../shared/docker/engine-setup.sh`` builds. Runs where ``docker info``
-answers (``.ci/run`` starts an engine with that script first); skips otherwise.
+local ``python:*-slim`` stand-ins that ``../shared/docker/engine-setup.sh`` builds. Runs
+where ``docker info`` answers (``.ci/run`` starts an engine with that script first);
+skips otherwise.
 
 - ``docker compose up``: prepare, a healthy server, the trainer's loss falling, the
   trainer exiting 0, ports on loopback; Ctrl-C ends it; ``down`` and a second ``up``
@@ -305,7 +306,6 @@ def test_demo_up_trains_then_a_second_up_rebuilds_nothing(stack: Stack) -> None:
     # Fewer steps than the default 300: the loss falls by far more than 1 in the first 100.
     project = stack.project(TOKENFEED_DEMO_STEPS="100", **ports())
     try:
-        images = {ref: image_id(ref) for ref in (SERVER_IMAGE, TRAINER_IMAGE)}
         up = Attached(project)
         try:
             up.wait_for(r"prepare-1 +\| prepared /data/store/demo", RUN_TIMEOUT)
@@ -331,6 +331,9 @@ def test_demo_up_trains_then_a_second_up_rebuilds_nothing(stack: Stack) -> None:
         assert code in (0, 130), up.text  # Ctrl-C after the trainer: a clean stop
         assert exit_code(project.container("server")) == 0  # SIGTERM: clean shutdown
 
+        # Taken now, not before the first up: compose labels the images it builds with the
+        # project name, so this project's first up rebuilt the fixture's images once.
+        images = {ref: image_id(ref) for ref in (SERVER_IMAGE, TRAINER_IMAGE)}
         # down keeps the named volume; a second up builds nothing and prepares nothing.
         project.run("down", "--timeout", "20")
         second = Project(project.files, {**project.env, "TOKENFEED_DEMO_STEPS": "20"}, project.name)
