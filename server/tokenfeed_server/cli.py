@@ -81,6 +81,8 @@ def _run_prepare(args: argparse.Namespace) -> int:
         eos_token=s.eos_token,
         progress=False if s.no_progress else None,
         bpe_train_mb=s.bpe_train_mb,
+        engine=s.engine,
+        ray_address=s.ray_address,
     )
     stats = PrepareStats()
     manifest = prepare(config, stats)

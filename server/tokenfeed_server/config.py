@@ -206,6 +206,17 @@ class PrepareSettings(BaseModel):
         default=64.0, gt=0, description="cap on the MiB of text that bpe:VOCAB is trained on"
     )
     no_progress: bool = Field(default=False, description="no progress bar or progress lines")
+    engine: Literal["local", "ray"] = Field(
+        default="local",
+        description="where to tokenize and shuffle: this process, or a Ray cluster "
+        "(pip install 'tokenfeed-server[ray]'); the same bytes either way",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Ray cluster to join with --engine ray (else RAY_ADDRESS, "
+        "else a local cluster on --workers CPUs, 0: all)",
+    )
 
 
 # ---------------------------------------------------------------------------- the machinery
