@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
 from tokenfeed_server.auth import token_digest
 from tokenfeed_server.cli import main
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
 ALICE = "alice-cli-token-0123456789abcdef"
 MARKUP = "mallory-cli-token-0123456789abcd"
 ADMIN = "admin-cli-token-zyxwvutsrqponmlk"
-BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 # A tenant name that rich would read as markup if it were not printed as plain text.
 MARKUP_TENANT = "[bold red]mallory[/bold red]"
 

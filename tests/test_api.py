@@ -15,11 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
 from tokenfeed_server.api_models import ConfigView, LimitsView
 from tokenfeed_server.auth import token_digest
 from tokenfeed_server.config import Limits, ServerConfig
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
@@ -27,7 +28,6 @@ ALICE = "alice-api-token-0123456789abcdef"
 BOB = "bob-api-token-fedcba9876543210"
 ADMIN = "admin-api-token-zyxwvutsrqponml"
 SHARED = "shared-api-token-000011112222333"
-BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -24,6 +24,7 @@ import pytest
 import zmq
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, protocol
 from tokenfeed.client import ClientOptions, FeedClient
 from tokenfeed.endpoint import check_endpoint
@@ -38,7 +39,7 @@ from tokenfeed.errors import (
 )
 from tokenfeed.protocol import JobSpec
 from tokenfeed.retry import Backoff
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
@@ -50,8 +51,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("store")
     rng = np.random.default_rng(5)
     docs = [rng.integers(0, 256, size=500, dtype=np.uint16) for _ in range(40)]
-    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
-    write_dataset(root, "alpha", docs, shuffle_seed=0, tokenizer=byte)
+    write_dataset(root, "alpha", docs, shuffle_seed=0, tokenizer=BYTE)
     return root
 
 

@@ -11,11 +11,12 @@ import pytest
 import zmq
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
 from tokenfeed.client import ClientOptions, FeedClient
 from tokenfeed.errors import UnknownDataset
 from tokenfeed.protocol import JobSpec
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
@@ -30,7 +31,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         "alpha",
         docs,
         shuffle_seed=0,
-        tokenizer=TokenizerInfo(kind="byte", vocab_size=257, eos_id=256),
+        tokenizer=BYTE,
     )
     extra = ["--max-connections-per-tenant", "1", "--max-jobs", "8"]
     log = tmp_path_factory.mktemp("logs") / "server.log"

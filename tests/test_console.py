@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed_server.auth import token_digest
 from tokenfeed_server.console import CONTENT_SECURITY_POLICY
@@ -34,7 +35,6 @@ ALICE = "alice-console-token-0123456789ab"
 BOB = "bob-console-token-0123456789abcd"
 ADMIN = "admin-console-token-0123456789ab"
 BOB_NAME = "<b>bob</b>"  # must show as these ten characters, not as bold "bob"
-BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 # A manifest's tokenizer kind is free text: a script tag there must stay text too.
 HOSTILE = TokenizerInfo(kind='<img src=x onerror="document.title=1">', vocab_size=257, eos_id=256)
 STEP_S = 0.02

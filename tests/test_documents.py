@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed.documents import document_fields
-from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store import open_dataset, write_dataset
 
 EOS = 9
 
@@ -41,7 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         docs,
         shuffle_seed=0,
         shard_tokens=5000,
-        tokenizer=TokenizerInfo(kind="byte", vocab_size=257, eos_id=256),
+        tokenizer=BYTE,
     )
     with LiveServer(root) as srv:
         yield srv

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed.dataset import unpack
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
@@ -32,8 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     docs = [
         rng.integers(0, 256, size=int(n), dtype=np.uint16) for n in rng.integers(5, 300, size=200)
     ]
-    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
-    write_dataset(root, "alpha", docs, tokenizer=byte, shuffle_seed=0, shard_tokens=9_000)
+    write_dataset(root, "alpha", docs, tokenizer=BYTE, shuffle_seed=0, shard_tokens=9_000)
     log = tmp_path_factory.mktemp("logs") / "server.log"
     with LiveServer(root, log_path=log) as srv:
         yield srv

@@ -19,10 +19,11 @@ import pytest
 import zmq
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, protocol
 from tokenfeed.errors import ProtocolError
 from tokenfeed.plan import Plan
-from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store import open_dataset, write_dataset
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -43,7 +44,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         docs,
         shuffle_seed=0,
         shard_tokens=50_000,
-        tokenizer=TokenizerInfo(kind="byte", vocab_size=257, eos_id=256),
+        tokenizer=BYTE,
     )
     return root
 

@@ -24,9 +24,10 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
 from tokenfeed_server.auth import token_digest
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -41,10 +42,9 @@ CHECKS = (
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("store")
-    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
     docs = [np.arange(n, dtype=np.uint16) % 256 for n in range(200, 4200, 200)]
     for name in ("alpha", "beta", "broken"):
-        write_dataset(root, name, docs, tokenizer=byte, shuffle_seed=0)
+        write_dataset(root, name, docs, tokenizer=BYTE, shuffle_seed=0)
     shard = next((root / "broken").glob("shard-*.bin"))
     shard.write_bytes(shard.read_bytes()[:32])  # listed with ok=false and its error
     return root

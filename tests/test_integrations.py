@@ -22,10 +22,11 @@ from torchdata.stateful_dataloader import Stateful
 
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train_hf  # the example script, imported from its folder
+from shard_data import BYTE
 
 pytestmark = pytest.mark.network
 
@@ -35,8 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("store")
     rng = np.random.default_rng(5)
     docs = [rng.integers(0, 256, size=int(n), dtype=np.uint16) for n in rng.integers(5, 400, 200)]
-    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
-    write_dataset(root, "alpha", docs, tokenizer=byte, shuffle_seed=0, shard_tokens=9_000)
+    write_dataset(root, "alpha", docs, tokenizer=BYTE, shuffle_seed=0, shard_tokens=9_000)
     with LiveServer(root, log_path=tmp_path_factory.mktemp("logs") / "server.log") as srv:
         yield srv
 

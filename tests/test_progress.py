@@ -22,10 +22,11 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
 from tokenfeed.consumed import ConsumedCounter
 from tokenfeed_server.rates import Rate
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
@@ -33,7 +34,6 @@ SEQ = 32
 WINDOW = 3  # requests in flight per worker
 PER_CHUNK = 2  # batches per request: the client asks for chunks of this many batches
 PREFETCH = 2  # DataLoader items per worker
-BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,13 @@ import pytest
 import torch
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, replicas
 from tokenfeed.client import ClientOptions, FeedClient
 from tokenfeed.errors import ConfigError, DatasetChanged, ServerUnavailable
 from tokenfeed.protocol import JobSpec
 from tokenfeed.replicas import Replicas, parse_endpoints
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
@@ -38,8 +39,7 @@ Run = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per rank, per step: (inpu
 def make_store(root: Path, seed: int) -> Path:
     rng = np.random.default_rng(seed)
     docs = [rng.integers(0, 256, size=500, dtype=np.uint16) for _ in range(40)]
-    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
-    write_dataset(root, "alpha", docs, shuffle_seed=0, tokenizer=byte)
+    write_dataset(root, "alpha", docs, shuffle_seed=0, tokenizer=BYTE)
     return root
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, protocol
 from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.errors import (
@@ -27,7 +28,7 @@ from tokenfeed.errors import (
 )
 from tokenfeed.protocol import JobSpec
 from tokenfeed_server.auth import token_digest
-from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
 
@@ -47,9 +48,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         rng.integers(0, 256, size=int(n), dtype=np.uint16)
         for n in rng.integers(100, 5000, size=400)
     ]
-    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
     for name in ("alpha", "beta-1"):
-        write_dataset(root, name, docs, tokenizer=byte, shuffle_seed=0)
+        write_dataset(root, name, docs, tokenizer=BYTE, shuffle_seed=0)
     return root
 
 

@@ -18,6 +18,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
 from tokenfeed.client import FeedClient
 from tokenfeed.errors import ProtocolError, RequestRejected, ServerUnavailable, UnknownDataset
@@ -37,16 +38,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     docs = [
         rng.integers(0, 256, size=int(n), dtype=np.uint16) for n in rng.integers(5, 400, size=300)
     ]
-    byte = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
     # small shards so that windows cross shard boundaries
-    write_dataset(root, "alpha", docs, tokenizer=byte, shuffle_seed=0, shard_tokens=10_000)
+    write_dataset(root, "alpha", docs, tokenizer=BYTE, shuffle_seed=0, shard_tokens=10_000)
     wide = [
         rng.integers(0, 70_000, size=int(n), dtype=np.uint32)
         for n in rng.integers(5, 300, size=100)
     ]
     big = TokenizerInfo(kind="hf", vocab_size=70_001, eos_id=70_000)
     write_dataset(root, "beta", wide, tokenizer=big, shuffle_seed=0, shard_tokens=7_000)
-    write_dataset(root, "tiny", [np.arange(10, dtype=np.uint16)], tokenizer=byte, shuffle_seed=0)
+    write_dataset(root, "tiny", [np.arange(10, dtype=np.uint16)], tokenizer=BYTE, shuffle_seed=0)
     return root
 
 

@@ -14,14 +14,13 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
 from tokenfeed.errors import DatasetChanged, DatasetNotFound, ManifestError, UnknownDataset
 from tokenfeed.plan import INT64_MAX, Plan
-from tokenfeed_server.store import Store, TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store import Store, open_dataset, write_dataset
 from tokenfeed_server.store.format import HEADER_SIZE
 from tokenfeed_server.store.serving import RowBuffers, WindowBlocks
-
-BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
 
 def docs(seed: int) -> list[np.ndarray]:

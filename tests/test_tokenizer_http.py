@@ -19,6 +19,7 @@ import pytest
 
 import tokenfeed
 from live_server import LiveServer
+from shard_data import BYTE
 from tokenfeed.errors import (
     AuthenticationFailed,
     ConfigError,
@@ -29,14 +30,13 @@ from tokenfeed.errors import (
 from tokenfeed.tokenizer import NoTokenizerFile, decode_bytes, fetch_tokenizer_json
 from tokenfeed_server.auth import token_digest
 from tokenfeed_server.prepare import PrepareConfig, prepare
-from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store import open_dataset, write_dataset
 
 pytestmark = pytest.mark.network
 
 ALICE = "alice-tokenizer-token-0123456789"
 BOB = "bob-tokenizer-token-9876543210ab"
 ADMIN = "admin-tokenizer-token-abcdefghij"
-BYTE = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
 
 
 def corpus(n: int) -> list[str]:
