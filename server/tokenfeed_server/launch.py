@@ -1,8 +1,15 @@
 """Run ``tokenfeed-server serve`` as a child process, wait for its ready line, stop it.
 
-For programs that start a server of their own: the demo, the benchmarks, the tests. The
-wait is on the server's one-line JSON ``ready`` event on stdout (never a sleep), bounded
-by a timeout; stopping sends SIGTERM, the server's clean-shutdown signal.
+Public API, for programs that start a server of their own (a notebook, a single-box
+training script, CI; here: the examples, benchmarks and tests)::
+
+    from tokenfeed_server.launch import ServerProcess
+
+    with ServerProcess(Path("/data/store")) as server:  # ports 0: any free ones
+        train(endpoint=server.zmq)                       # e.g. "tcp://127.0.0.1:43817"
+
+The wait is on the server's one-line JSON ``ready`` event on stdout (never a sleep),
+bounded by a timeout; stopping sends SIGTERM, the server's clean-shutdown signal.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+__all__ = ["ServerProcess"]
 
 
 class ServerProcess:
