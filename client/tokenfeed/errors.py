@@ -14,7 +14,8 @@ mapped onto this tree at the boundary where they happen, never leaked raw::
     │   ├── ManifestError        manifest.json missing, unreadable or inconsistent
     │   └── CorruptShard         a shard fails its header, size or checksum check
     ├── PrepareError             turning a corpus into a dataset failed
-    │   └── BadRecord            one input record is unusable (file and line named)
+    │   ├── BadRecord            one input record is unusable (file and line named)
+    │   └── StoreFull            the store ran out of space (which store, about how much)
     ├── ProtocolError            a frame that does not follow the wire protocol
     ├── ServerError              the server answered ERR (carries .code and .retry)
     │   ├── UnknownDataset       the server has no dataset of that name
@@ -81,6 +82,10 @@ class PrepareError(TokenFeedError):
 
 class BadRecord(PrepareError):
     """One input record is unusable; the message names the file and line."""
+
+
+class StoreFull(PrepareError):
+    """The store's file system refused a write for lack of space (or quota, or file size)."""
 
 
 class ProtocolError(TokenFeedError):
