@@ -229,6 +229,51 @@ def test_compose_matches_the_dockerfile() -> None:
     assert endpoint == f"tcp://server:{env['TOKENFEED_ZMQ_PORT']}"
 
 
+def compose_config(environ: dict[str, str]) -> dict[str, Any]:
+    """``docker compose config`` of compose.yaml: the model compose itself would run."""
+    if shutil.which("docker") is None:
+        pytest.skip("no docker client: compose's own interpolation is not available")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENFEED_")}
+    done = subprocess.run(
+        ["docker", "compose", "-f", str(COMPOSE), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**env, **environ},
+    )
+    if done.returncode != 0 and "'compose' is not a docker command" in done.stderr:
+        pytest.skip("the docker client has no Compose v2 plugin")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert isinstance(data, dict)
+    return data
+
+
+def test_compose_scales_the_server_with_port_ranges_on_loopback() -> None:
+    # Plain `docker compose up`: the documented host ports, exactly, on loopback.
+    server = compose_config({})["services"]["server"]
+    ports = {(p["host_ip"], p["published"], p["target"]) for p in server["ports"]}
+    assert ports == {("127.0.0.1", "7400", 7400), ("127.0.0.1", "7401", 7401)}
+    # Replicas are told apart by compose's index, never by a fixed name: a container_name
+    # or hostname would make `--scale server=3` fail, and the trainer must address the
+    # service name, which Docker's DNS resolves to every replica.
+    assert "container_name" not in server and "hostname" not in server
+    trainer = compose_config({})["services"]["trainer"]
+    assert trainer["environment"]["TOKENFEED_ENDPOINT"] == "tcp://server:7400"
+
+    # `--scale server=3`, as compose.yaml and the README say: one range per port, still on
+    # loopback, the container ports unchanged.
+    scaled = compose_config(
+        {"TOKENFEED_ZMQ_PUBLISH": "7400-7409", "TOKENFEED_HTTP_PUBLISH": "7410-7419"}
+    )["services"]["server"]
+    ports = {(p["host_ip"], p["published"], p["target"]) for p in scaled["ports"]}
+    assert ports == {("127.0.0.1", "7400-7409", 7400), ("127.0.0.1", "7410-7419", 7401)}
+    text = COMPOSE.read_text()
+    assert "TOKENFEED_ZMQ_PUBLISH=7400-7409 TOKENFEED_HTTP_PUBLISH=7410-7419" in text
+    assert "docker compose up --scale server=3" in text
+
+
 def test_dockerfile_builds_without_a_registry_frontend_or_a_fixed_torch_source() -> None:
     text = DOCKERFILE.read_text()
     # The built-in frontend: a `syntax` directive would pull a frontend image at build time.

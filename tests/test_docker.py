@@ -18,6 +18,7 @@ skips otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import json
@@ -281,6 +282,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             wheels.close()
 
 
+def free_range(n: int) -> tuple[int, int]:
+    """``n`` consecutive free loopback ports: a range to publish replicas on."""
+    for _ in range(100):
+        first = free_port()
+        if first + n > 65536:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first, first + n - 1
+    pytest.fail(f"no {n} consecutive free ports on 127.0.0.1")
+
+
 def ports() -> dict[str, str]:
     return {
         "TOKENFEED_ZMQ_PUBLISH": str(free_port()),
@@ -350,6 +368,57 @@ def test_demo_up_trains_then_a_second_up_rebuilds_nothing(stack: Stack) -> None:
         once = second.completed("run", "--rm", "trainer")
         assert once.returncode == 0, once.stdout + once.stderr
         assert re.search(r"done: 20 steps", once.stdout), once.stdout
+    finally:
+        project.down()
+
+
+def test_up_scaled_to_three_servers_trains_across_replicas(stack: Stack) -> None:
+    # As compose.yaml documents it: one host port range per container port, on loopback.
+    zmq, http = free_range(3), free_range(3)
+    while set(range(zmq[0], zmq[1] + 1)) & set(range(http[0], http[1] + 1)):
+        http = free_range(3)
+    project = stack.project(
+        TOKENFEED_DEMO_STEPS="20",
+        TOKENFEED_ZMQ_PUBLISH=f"{zmq[0]}-{zmq[1]}",
+        TOKENFEED_HTTP_PUBLISH=f"{http[0]}-{http[1]}",
+    )
+    try:
+        # Detached: compose still starts the trainer only after prepare and every replica.
+        project.run("up", "--detach", "--scale", "server=3")
+        [trainer] = project.run("ps", "-a", "-q", "trainer", timeout=60).split()
+        code = sh(["docker", "wait", trainer], timeout=RUN_TIMEOUT).strip()
+        logs = project.run("logs", "--no-color", "trainer", timeout=60)
+        assert code == "0", logs
+        assert re.search(r"done: 20 steps", logs), logs
+
+        servers = project.run("ps", "-q", "server", timeout=60).split()
+        assert len(servers) == 3
+        published: dict[str, set[int]] = {"7400/tcp": set(), "7401/tcp": set()}
+        for cid in servers:
+            [info] = json.loads(sh(["docker", "inspect", cid], timeout=60))
+            assert info["State"]["Health"]["Status"] == "healthy"
+            for port, bound in info["NetworkSettings"]["Ports"].items():
+                assert {b["HostIp"] for b in bound} == {"127.0.0.1"}, info["NetworkSettings"]
+                published[port] |= {int(b["HostPort"]) for b in bound}
+        assert len(published["7400/tcp"]) == 3 and len(published["7401/tcp"]) == 3
+        assert all(zmq[0] <= p <= zmq[1] for p in published["7400/tcp"])
+        assert all(http[0] <= p <= http[1] for p in published["7401/tcp"])
+
+        # The trainer's two loader workers started on two different replicas, as the
+        # client spreads them: each replica's /v1/jobs shows what it served of the one job.
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        served: dict[int, list[dict[str, object]]] = {}
+        for index in (1, 2, 3):
+            address = project.run("port", "--index", str(index), "server", "7401", timeout=60)
+            host, _, port = address.strip().rpartition(":")
+            assert host == "127.0.0.1" and int(port) in published["7401/tcp"], address
+            jobs = httpx.get(f"http://{address.strip()}/v1/jobs", headers=auth, timeout=10)
+            served[index] = [
+                j for j in jobs.json() if j["dataset"] == "demo" and j["batches_served"]
+            ]
+        busy = {i: jobs for i, jobs in served.items() if jobs}
+        assert len(busy) >= 2, served
+        assert len({j["id"] for jobs in busy.values() for j in jobs}) == 1, served
     finally:
         project.down()
 
