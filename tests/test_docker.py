@@ -14,6 +14,8 @@ skips otherwise.
   serves a dataset prepared while it runs; the server image has no torch, runs as
   non-root, turns healthy by its own HEALTHCHECK and exits 0 on ``docker stop``.
 - A store the image's user cannot write stops the demo with one clear line.
+- ``docker compose up --scale server=3`` with the ports published as loopback ranges: the
+  trainer exits 0 and more than one replica served its job.
 """
 
 from __future__ import annotations
