@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -455,9 +456,15 @@ def test_up_server_alone_writes_nothing_and_serves_a_dataset_prepared_later(
 
         # A dataset prepared while the server runs is served without a restart.
         project.run("run", "--rm", "--no-deps", "prepare")
-        names = [
-            d["name"] for d in httpx.get(f"{http}/v1/datasets", headers=auth, timeout=10).json()
-        ]
+        # The store's watcher (not the request) notices new datasets, within its scan
+        # interval: poll for it, bounded.
+        deadline = time.monotonic() + 30
+        names: list[str] = []
+        while not names and time.monotonic() < deadline:
+            answer = httpx.get(f"{http}/v1/datasets", headers=auth, timeout=10).json()
+            names = [d["name"] for d in answer]
+            if not names:
+                time.sleep(0.2)
         assert names == ["demo"]
 
         project.run("stop", "--timeout", "20", "server")
