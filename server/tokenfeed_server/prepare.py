@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tokenfeed.errors import DatasetExists, PrepareError
+from tokenfeed.errors import DatasetExists, PrepareError, StoreFull
 from tokenfeed_server.corpus import (
     CorpusStats,
     estimate_text_bytes,
@@ -58,7 +58,12 @@ from tokenfeed_server.progress import Progress
 from tokenfeed_server.store.format import MANIFEST_NAME
 from tokenfeed_server.store.manifest import Manifest
 from tokenfeed_server.store.reader import validate_dataset_name
-from tokenfeed_server.store.writer import DatasetWriter, clean_stale_temp_dirs, make_temp_dir
+from tokenfeed_server.store.writer import (
+    DatasetWriter,
+    clean_stale_temp_dirs,
+    make_temp_dir,
+    remove_temp_dir,
+)
 from tokenfeed_server.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, parse_spec, train_bpe
 
 __all__ = [
@@ -84,10 +89,6 @@ Engine = Literal["local", "ray"]
 
 # write() errors that mean "no room": a full disk, a full quota, a file-size limit.
 _NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-class StoreFull(PrepareError):
-    """The store's file system refused a write for lack of space (or quota, or file size)."""
 
 
 @dataclass(frozen=True)
@@ -398,7 +399,7 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
                 )
             manifest = writer.commit()
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_temp_dir(scratch)  # and drop its lock, which outlives rmtree otherwise
     stats.seconds = time.perf_counter() - started
     assert (config.store / config.dataset / MANIFEST_NAME).is_file()
     return manifest
