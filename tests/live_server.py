@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 
+from tokenfeed_server.auth import token_digest
 from tokenfeed_server.launch import ServerProcess
 
 
@@ -29,3 +30,15 @@ class LiveServer(ServerProcess):
     def get_at(self, host: str, path: str) -> httpx.Response:
         """GET through another address of this server (for one bound to 0.0.0.0)."""
         return httpx.get(f"http://{host}:{self.http_port}{path}", timeout=10.0)
+
+
+def tenants_toml(admin: str | None, tenants: dict[str, tuple[str, list[str]]]) -> str:
+    """A tenants file: ``{name: (token, dataset patterns)}``, and an admin token if given."""
+    out = [f'admin_token_sha256 = "{token_digest(admin)}"\n'] if admin is not None else []
+    for name, (token, patterns) in tenants.items():
+        datasets = ", ".join(f'"{p}"' for p in patterns)
+        out.append(
+            f'[[tenant]]\nname = "{name}"\ntoken_sha256 = "{token_digest(token)}"\n'
+            f"datasets = [{datasets}]\n"
+        )
+    return "\n".join(out)

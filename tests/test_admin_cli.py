@@ -16,10 +16,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from live_server import LiveServer
+from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
-from tokenfeed_server.auth import token_digest
 from tokenfeed_server.cli import main
 from tokenfeed_server.store import write_dataset
 
@@ -39,19 +38,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     for name in ("alpha", "beta"):
         write_dataset(root, name, docs, tokenizer=BYTE, shuffle_seed=0)
     tenants = tmp_path_factory.mktemp("conf") / "tenants.toml"
-    tenants.write_text(f"""
-admin_token_sha256 = "{token_digest(ADMIN)}"
-
-[[tenant]]
-name = "alice"
-token_sha256 = "{token_digest(ALICE)}"
-datasets = ["alpha"]
-
-[[tenant]]
-name = "{MARKUP_TENANT}"
-token_sha256 = "{token_digest(MARKUP)}"
-datasets = ["beta"]
-""")
+    tenants.write_text(
+        tenants_toml(ADMIN, {"alice": (ALICE, ["alpha"]), MARKUP_TENANT: (MARKUP, ["beta"])})
+    )
     with LiveServer(root, extra=["--tenants", str(tenants)]) as srv:
         for name, token in (("alpha", ALICE), ("beta", MARKUP)):
             loader = TokenFeedDataset(

@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from live_server import LiveServer
+from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
 from tokenfeed_server.api_models import ConfigView, LimitsView
-from tokenfeed_server.auth import token_digest
 from tokenfeed_server.config import Limits, ServerConfig
 from tokenfeed_server.store import write_dataset
 
@@ -49,19 +48,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tenants(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     path = tmp_path_factory.mktemp("conf") / "tenants.toml"
-    path.write_text(f"""
-admin_token_sha256 = "{token_digest(ADMIN)}"
-
-[[tenant]]
-name = "alice"
-token_sha256 = "{token_digest(ALICE)}"
-datasets = ["alpha*"]
-
-[[tenant]]
-name = "bob"
-token_sha256 = "{token_digest(BOB)}"
-datasets = ["beta-*"]
-""")
+    path.write_text(tenants_toml(ADMIN, {"alice": (ALICE, ["alpha*"]), "bob": (BOB, ["beta-*"])}))
     with LiveServer(store, extra=["--tenants", str(path)]) as srv:
         yield srv
 

@@ -22,10 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from live_server import LiveServer
+from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
-from tokenfeed_server.auth import token_digest
 from tokenfeed_server.console import CONTENT_SECURITY_POLICY
 from tokenfeed_server.store import TokenizerInfo, write_dataset
 
@@ -57,19 +56,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     write_dataset(root, "code", docs[:20], tokenizer=BYTE, shuffle_seed=1)
     write_dataset(root, "odd-kind", docs[:5], tokenizer=HOSTILE, shuffle_seed=0)
     tenants = tmp_path_factory.mktemp("conf") / "tenants.toml"
-    tenants.write_text(f"""
-admin_token_sha256 = "{token_digest(ADMIN)}"
-
-[[tenant]]
-name = "alice"
-token_sha256 = "{token_digest(ALICE)}"
-datasets = ["books"]
-
-[[tenant]]
-name = "{BOB_NAME}"
-token_sha256 = "{token_digest(BOB)}"
-datasets = ["code"]
-""")
+    tenants.write_text(
+        tenants_toml(ADMIN, {"alice": (ALICE, ["books"]), BOB_NAME: (BOB, ["code"])})
+    )
     # Default chunks (a whole epoch per request here): the page's progress is what the
     # trainers consumed, which moves although nothing more is requested.
     extra = ["--tenants", str(tenants)]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import tokenfeed
-from live_server import LiveServer
+from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
 from tokenfeed.errors import (
     AuthenticationFailed,
@@ -28,7 +28,6 @@ from tokenfeed.errors import (
     UnknownDataset,
 )
 from tokenfeed.tokenizer import NoTokenizerFile, decode_bytes, fetch_tokenizer_json
-from tokenfeed_server.auth import token_digest
 from tokenfeed_server.prepare import PrepareConfig, prepare
 from tokenfeed_server.store import open_dataset, write_dataset
 
@@ -70,19 +69,7 @@ def server(store: Path) -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def tenants(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     path = tmp_path_factory.mktemp("conf") / "tenants.toml"
-    path.write_text(f"""
-admin_token_sha256 = "{token_digest(ADMIN)}"
-
-[[tenant]]
-name = "alice"
-token_sha256 = "{token_digest(ALICE)}"
-datasets = ["bpe-*"]
-
-[[tenant]]
-name = "bob"
-token_sha256 = "{token_digest(BOB)}"
-datasets = ["bytes-*"]
-""")
+    path.write_text(tenants_toml(ADMIN, {"alice": (ALICE, ["bpe-*"]), "bob": (BOB, ["bytes-*"])}))
     with LiveServer(store, extra=["--tenants", str(path)]) as srv:
         yield srv
 
