@@ -209,3 +209,33 @@ def test_missing_manifest_is_not_listed(store: Path, two_shards: Path) -> None:
     assert list_datasets(store) == []
     with pytest.raises(ManifestError, match="manifest"):
         open_dataset(store, "d")
+
+
+def test_open_sees_one_build_when_overwritten_between_manifest_and_shards(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory swap (what ``prepare --overwrite`` does) landing after the manifest was
+    read but before the shards are opened must not pair the old manifest with new shards."""
+    from tokenfeed_server.store.reader import Dataset
+
+    docs = random_docs(80)
+    write_dataset(store, "d", docs, tokenizer=BYTE, shuffle_seed=1, shard_tokens=100)
+    rebuilt = [(d + 1) % 256 for d in docs]  # same sizes, other tokens
+    write_dataset(store, "next", rebuilt, tokenizer=BYTE, shuffle_seed=2, shard_tokens=100)
+    with open_dataset(store, "d") as old, open_dataset(store, "next") as new:
+        old_tokens, new_tokens = old.read(0, old.n_tokens), new.read(0, new.n_tokens)
+        old_fp = old.fingerprint
+    assert old_tokens.shape == new_tokens.shape and not np.array_equal(old_tokens, new_tokens)
+
+    attach = Dataset._attach
+
+    def swap_then_attach(self: Dataset, *args: int) -> None:
+        os.rename(store / "d", store / "old")
+        os.rename(store / "next", store / "d")
+        attach(self, *args)
+
+    monkeypatch.setattr(Dataset, "_attach", swap_then_attach)
+    with open_dataset(store, "d") as ds:
+        assert ds.fingerprint == old_fp
+        np.testing.assert_array_equal(ds.read(0, ds.n_tokens), old_tokens)
+        ds.verify_checksums()

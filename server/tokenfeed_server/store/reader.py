@@ -85,11 +85,17 @@ class Dataset:
         self._bounds = np.asarray(bounds, dtype=np.int64)
         self._bounds_list = bounds
 
-    def _attach(self) -> None:
+    def _attach(self, dir_fd: int) -> None:
+        """Open every shard through ``dir_fd``, the directory the manifest was read from.
+
+        Names are resolved in that directory, not by path: a ``prepare --overwrite`` that
+        swaps the dataset directory meanwhile cannot pair this manifest with the new
+        build's shards.
+        """
         for shard in self.manifest.shards:
             path = self.path / shard.name
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = os.open(shard.name, _RDONLY, dir_fd=dir_fd)
             except FileNotFoundError:
                 raise CorruptShard(f"{path}: shard file is missing; {_FIX}") from None
             except OSError as exc:
@@ -290,10 +296,13 @@ class Dataset:
 
     def verify_checksums(self) -> None:
         """Hash every shard and compare with the manifest; raise CorruptShard naming the file."""
-        for shard in self.manifest.shards:
+        if not self._fds:
+            raise StoreError(f"dataset {self.name!r} is closed")
+        for fd, shard in zip(self._fds, self.manifest.shards, strict=True):
             path = self.path / shard.name
             algo, _, expected = shard.checksum.partition(":")
-            actual = _file_checksum(path, algo, HEADER_SIZE)
+            # Through the open file: the bytes hashed are the bytes served.
+            actual = _file_checksum(fd, path, algo, HEADER_SIZE)
             if actual != expected:
                 raise CorruptShard(
                     f"{path}: checksum mismatch ({algo} {actual} != manifest {expected}); the "
@@ -312,6 +321,7 @@ def _close_all(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
+_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _FIX = "re-run tokenfeed-server prepare ... --overwrite to rebuild the dataset"
 
 
@@ -347,14 +357,17 @@ def _check_shard_file(fd: int, path: Path, shard: ShardInfo, dtype: str) -> None
         raise CorruptShard(f"{path}: {'; '.join(problems)}; {_FIX}")
 
 
-def _file_checksum(path: Path, algo: str, skip: int) -> str:
+def _file_checksum(fd: int, path: Path, algo: str, skip: int) -> str:
     if algo != CHECKSUM_ALGO:
         raise CorruptShard(f"{path}: unknown checksum algorithm {algo!r}")
     hasher = hashlib.blake2b(digest_size=16)
-    with path.open("rb") as f:
-        f.seek(skip)
-        while chunk := f.read(_HASH_CHUNK):
+    offset = skip
+    try:
+        while chunk := os.pread(fd, _HASH_CHUNK, offset):
             hasher.update(chunk)
+            offset += len(chunk)
+    except OSError as exc:
+        raise CorruptShard(f"{path}: cannot read shard: {exc}; {_FIX}") from exc
     return hasher.hexdigest()
 
 
@@ -372,34 +385,48 @@ def open_dataset(
     """
     path = _dataset_dir(store, name)
     manifest_path = path / MANIFEST_NAME
-    if not path.is_dir():
+    try:
+        # One directory descriptor for the manifest and every shard: one open, one build.
+        dir_fd = os.open(path, _RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
         known = ", ".join(list_datasets(store)) or "none"
         raise DatasetNotFound(
             f"no dataset {name!r} in store {store} (datasets: {known}); "
             "create it with tokenfeed-server prepare"
-        )
+        ) from None
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open dataset directory: {exc}") from exc
     try:
-        text = manifest_path.read_bytes()
+        manifest = _read_manifest(dir_fd, manifest_path)
+        dataset = Dataset(name, path, manifest)
+        try:
+            dataset._attach(dir_fd)
+            if verify_checksums:
+                dataset.verify_checksums()
+        except BaseException:
+            dataset.close()
+            raise
+    finally:
+        os.close(dir_fd)
+    return dataset
+
+
+def _read_manifest(dir_fd: int, manifest_path: Path) -> Manifest:
+    try:
+        fd = os.open(MANIFEST_NAME, _RDONLY, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            text = f.read()
     except OSError as exc:
         raise ManifestError(
             f"{manifest_path}: cannot read manifest ({exc.strerror or exc}); the dataset is "
             "incomplete: re-run tokenfeed-server prepare ... --overwrite"
         ) from exc
     try:
-        manifest = Manifest.from_json(text)
+        return Manifest.from_json(text)
     except ManifestError as exc:
         raise ManifestError(
             f"{manifest_path}: {exc}; re-run tokenfeed-server prepare ... --overwrite"
         ) from exc
-    dataset = Dataset(name, path, manifest)
-    try:
-        dataset._attach()
-        if verify_checksums:
-            dataset.verify_checksums()
-    except BaseException:
-        dataset.close()
-        raise
-    return dataset
 
 
 def list_datasets(store: str | os.PathLike[str]) -> list[str]:
