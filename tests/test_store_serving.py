@@ -232,9 +232,31 @@ def test_pooled_rows_are_read_into_and_lent_again_only_when_free(tmp_path: Path)
         view = out[1:]
         del out
         second, second_rows = buffers.take_rows((4, 17), ds.dtype)
-        assert second_rows is not rows
+        assert second_rows is not None and second_rows[0] is not rows[0]
         del view, second
         third, third_rows = buffers.take_rows((4, 17), ds.dtype)
-        assert third_rows is rows  # the first buffer again, with its views
+        assert third_rows is not None
+        assert third_rows[0] is rows[0]  # the first buffer again, with its views
         with pytest.raises(ValueError, match="rows has 4 rows, out 3"):
             ds.gather(starts[:3], 17, out=third[:3], rows=rows)
+
+
+def test_pooled_buffers_are_bounded_whatever_sizes_clients_ask_for() -> None:
+    """Clients pick seq_len, batch and chunk sizes: pooling one buffer per exact size
+    would grow without bound. Sizes share power-of-two classes and the total is capped."""
+    u2 = np.dtype("<u2")
+    buffers = RowBuffers(per_size=4, max_bytes=1 << 16)
+    first, _ = buffers.take_rows((4, 17), u2)  # 136 bytes: the 256-byte class
+    memory = first.base
+    del first
+    again, rows = buffers.take_rows((3, 40), u2)  # 240 bytes: the same class, same memory
+    assert again.base is memory and rows is not None and len(rows) == 3
+    del again, rows
+    for seq_len in range(1, 3000, 7):  # hundreds of distinct sizes, all dropped at once
+        out, _ = buffers.take_rows((5, seq_len), u2)
+        assert out.shape == (5, seq_len)
+        assert buffers.pooled_bytes <= buffers.max_bytes
+    assert buffers.pooled_bytes > 0
+    big, big_rows = buffers.take_rows((1, 1 << 16), u2)  # over the cap: lent, never pooled
+    assert big.shape == (1, 1 << 16) and big_rows is None
+    assert buffers.pooled_bytes <= buffers.max_bytes

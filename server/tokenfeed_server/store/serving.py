@@ -248,6 +248,10 @@ def summary(ds: Dataset) -> dict[str, Any]:
     }
 
 
+#: Bytes RowBuffers keeps pooled at most (16 chunks of the default max_chunk_bytes).
+DEFAULT_POOL_BYTES = 256 * 1024 * 1024
+
+
 class RowBuffers:
     """Reusable token buffers for the rows the data plane sends.
 
@@ -256,47 +260,86 @@ class RowBuffers:
     ZeroMQ's hold on it, keeps that array alive, so the memory is lent again only once the
     array is gone (tracked by a weak reference). Reuse spares the page faults of fresh
     allocations on every chunk, and :meth:`take_rows` the making of one view per row.
+
+    Clients choose the sizes (sequence length, batch, chunk), so pooled memory is bounded:
+    sizes are rounded up to power-of-two classes, at most ``per_size`` buffers are kept
+    per class, and at most ``max_bytes`` in all; the least recently used classes are
+    dropped to make room (a dropped buffer still lent lives on until its array is gone).
     """
 
-    def __init__(self, per_size: int = 32) -> None:
+    def __init__(self, per_size: int = 32, max_bytes: int = DEFAULT_POOL_BYTES) -> None:
         self.per_size = per_size
-        self._pools: dict[int, list[_Slot]] = {}
+        self.max_bytes = max_bytes
+        self._pools: OrderedDict[int, list[_Slot]] = OrderedDict()  # class -> slots, LRU first
+        self._pooled = 0  # bytes held by the pools
         self._lock = threading.Lock()
 
-    def take(self, shape: tuple[int, int], dtype: np.dtype[Any]) -> np.ndarray:
-        """A C-contiguous array of ``shape`` and ``dtype`` whose content is undefined."""
-        return self.take_rows(shape, dtype)[0]
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes of the buffers pooled now (never more than ``max_bytes``)."""
+        return self._pooled
 
     def take_rows(
         self, shape: tuple[int, int], dtype: np.dtype[Any]
     ) -> tuple[np.ndarray, list[tuple[memoryview]] | None]:
-        """:meth:`take`, and the array's rows as 1-tuples of memoryviews of its memory
-        (what :meth:`Dataset.gather <tokenfeed_server.store.reader.Dataset.gather>` reads
-        into), made once per pooled buffer and row size; None for a buffer not pooled.
+        """A C-contiguous array of ``shape`` and ``dtype`` whose content is undefined, and
+        its rows as 1-tuples of memoryviews of its memory (what :meth:`Dataset.gather
+        <tokenfeed_server.store.reader.Dataset.gather>` reads into), made once per pooled
+        buffer and row size; None for a buffer not pooled.
 
         The views hold the pooled memory, never the lent array, so they do not keep a
         buffer lent.
         """
         nbytes = shape[0] * shape[1] * dtype.itemsize
         row = shape[1] * dtype.itemsize
+        size = _size_class(nbytes)
         with self._lock:
-            pool = self._pools.setdefault(nbytes, [])
+            pool = self._pools.get(size)
+            if pool is None:
+                pool = self._pools[size] = []
+            self._pools.move_to_end(size)
             for slot in pool:
                 if slot.lent() is None:
                     break
             else:
-                slot = _Slot(bytearray(nbytes))
-                if len(pool) < self.per_size:  # else this one is simply not kept
-                    pool.append(slot)
-                else:
+                slot = _Slot(bytearray(size))
+                if len(pool) >= self.per_size or not self._make_room(size):
+                    if not pool:
+                        del self._pools[size]
                     return np.ndarray(shape, dtype, buffer=slot.memory), None
+                pool.append(slot)
+                self._pooled += size
             array = np.ndarray(shape, dtype, buffer=slot.memory)
             slot.lent = weakref.ref(array)
+            if not row:
+                return array, None
             rows = slot.rows.get(row)
-            if rows is None and row:
+            if rows is None:
+                if len(slot.rows) >= _ROW_SIZES:
+                    slot.rows.pop(next(iter(slot.rows)))
                 view = memoryview(slot.memory)
-                rows = slot.rows[row] = [(view[a : a + row],) for a in range(0, nbytes, row)]
-            return array, rows
+                rows = slot.rows[row] = [
+                    (view[a : a + row],) for a in range(0, size - row + 1, row)
+                ]
+            return array, rows[: shape[0]]
+
+    def _make_room(self, size: int) -> bool:
+        """Drop least recently used classes (never ``size``'s) until ``size`` more bytes fit."""
+        for other in list(self._pools):
+            if self._pooled + size <= self.max_bytes:
+                break
+            if other != size:
+                self._pooled -= other * len(self._pools.pop(other))
+        return self._pooled + size <= self.max_bytes
+
+
+# Row sizes whose views one pooled buffer keeps; the oldest goes first.
+_ROW_SIZES = 4
+
+
+def _size_class(nbytes: int) -> int:
+    """The power of two at or above ``nbytes`` (at least 1)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 def _gone() -> None:
