@@ -16,7 +16,13 @@ import pytest
 from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
-from tokenfeed.errors import DatasetChanged, DatasetNotFound, ManifestError, UnknownDataset
+from tokenfeed.errors import (
+    DatasetChanged,
+    DatasetNotFound,
+    ManifestError,
+    StoreError,
+    UnknownDataset,
+)
 from tokenfeed.plan import INT64_MAX, Plan
 from tokenfeed_server.store import Store, open_dataset, write_dataset
 from tokenfeed_server.store.format import HEADER_SIZE
@@ -260,3 +266,40 @@ def test_pooled_buffers_are_bounded_whatever_sizes_clients_ask_for() -> None:
     big, big_rows = buffers.take_rows((1, 1 << 16), u2)  # over the cap: lent, never pooled
     assert big.shape == (1, 1 << 16) and big_rows is None
     assert buffers.pooled_bytes <= buffers.max_bytes
+
+
+def test_a_dataset_failing_with_an_unexpected_error_is_listed_broken_and_the_rest_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only StoreError: a manifest nested too deep for the JSON parser, or an OSError
+    the reader does not expect (EACCES, which root never gets: simulated), must neither
+    stop start-up nor freeze the rescans."""
+    import tokenfeed_server.store.serving as serving
+
+    root = tmp_path / "store"
+    for name in ("good", "deep", "denied"):
+        write_dataset(root, name, docs(1), tokenizer=BYTE, shuffle_seed=0)
+    (root / "deep" / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    real_open = serving.open_dataset
+
+    def open_denied(store: Path, name: str, **kw: Any) -> Any:
+        if name == "denied":
+            raise PermissionError(13, "Permission denied", str(store / name / "manifest.json"))
+        return real_open(store, name, **kw)
+
+    monkeypatch.setattr(serving, "open_dataset", open_denied)
+    store = Store(root, scan_interval_s=3600.0)
+    store.open_all()
+    try:
+        assert store.get("good").n_documents == 100
+        by_name = {s["name"]: s for s in store.summaries()}
+        assert [by_name[n]["ok"] for n in ("deep", "denied", "good")] == [False, False, True]
+        assert "Permission denied" in by_name["denied"]["error"]
+        for name in ("deep", "denied"):
+            with pytest.raises(StoreError, match=name):
+                store.get(name)
+        write_dataset(root, "late", docs(2), tokenizer=BYTE, shuffle_seed=0)
+        assert store.wait_for_scan(timeout=10.0)
+        assert store.get("late").n_documents == 100  # rescans go on
+    finally:
+        store.close()

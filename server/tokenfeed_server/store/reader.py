@@ -441,7 +441,12 @@ def list_datasets(store: str | os.PathLike[str]) -> list[str]:
         raise StoreError(f"store {root} is not a directory")
     names = []
     for entry in root.iterdir():
-        valid = _NAME_RE.fullmatch(entry.name) and ".." not in entry.name
-        if valid and (entry / MANIFEST_NAME).is_file():
+        if not _NAME_RE.fullmatch(entry.name) or ".." in entry.name:
+            continue
+        try:
+            complete = (entry / MANIFEST_NAME).is_file()
+        except OSError:  # e.g. EACCES: listed, so that opening it says what is wrong
+            complete = True
+        if complete:
             names.append(entry.name)
     return sorted(names)

@@ -177,12 +177,20 @@ class Store:
         old = self._entries
         new: dict[str, _Entry] = {}
         for name in list_datasets(self.root) if self.root.is_dir() else []:
+            entry = old.get(name)
             try:
                 st = os.stat(self.root / name / MANIFEST_NAME)
             except FileNotFoundError:
                 continue  # removed between the listing and now
+            except OSError as exc:  # e.g. EACCES: listed as broken, the others served
+                signature: _Signature = (-1, -1, exc.errno or 0)
+                if entry is None or entry.signature != signature:
+                    error = StoreError(f"dataset {name!r}: cannot read its manifest: {exc}")
+                    entry = _Entry(signature, None, error)
+                    self._report(name, entry, True)
+                new[name] = entry
+                continue
             signature = (st.st_ino, st.st_mtime_ns, st.st_size)
-            entry = old.get(name)
             if entry is None or entry.signature != signature:
                 # Running jobs hold the old Dataset and keep reading the old files.
                 entry = self._open(name, signature, verify_checksums)
@@ -197,6 +205,11 @@ class Store:
             ds = open_dataset(self.root, name, verify_checksums=verify_checksums)
         except StoreError as exc:
             return _Entry(signature, None, exc)
+        except Exception as exc:
+            # An OSError the reader did not expect, a manifest nested too deep to parse, a
+            # bug: the dataset is listed broken and every other one is still served.
+            error = StoreError(f"dataset {name!r} cannot be opened: {type(exc).__name__}: {exc}")
+            return _Entry(signature, None, error)
         return _Entry(signature, ds, None)
 
     def _report(self, name: str, entry: _Entry, new: bool) -> None:
