@@ -165,3 +165,27 @@ def test_without_tokenizers_installed_the_error_says_what_to_do(
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+def test_a_manifest_naming_a_file_outside_the_dataset_serves_nothing(tmp_path: Path) -> None:
+    """A hand-edited manifest whose tokenizer file escapes the dataset directory (and has
+    no hash to check it against) leaves the dataset broken; nothing outside is served and
+    the listing still answers every caller."""
+    root = tmp_path / "store"
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"leaked": "7f3a"}')
+    docs = [np.arange(10, dtype=np.uint16)]
+    write_dataset(root, "escape", docs, tokenizer=BYTE, shuffle_seed=0)
+    write_dataset(root, "fine", docs, tokenizer=BYTE, shuffle_seed=0)
+    manifest_path = root / "escape" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["tokenizer"].update(file="../../secret.json", file_hash=None)
+    manifest_path.write_text(json.dumps(manifest))
+    with LiveServer(root) as srv:
+        answer = srv.get("/v1/datasets/escape/tokenizer.json")
+        assert answer.status_code != 200 and b"7f3a" not in answer.content
+        listing = srv.get("/v1/datasets")
+        assert listing.status_code == 200
+        by_name = {d["name"]: d for d in listing.json()}
+        assert by_name["fine"]["ok"] is True and by_name["escape"]["ok"] is False
+        assert "tokenizer.file" in by_name["escape"]["error"]

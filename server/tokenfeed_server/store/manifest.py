@@ -85,7 +85,7 @@ class Manifest:
                 format_version=int(version),
                 name=str(data["name"]),
                 dtype=str(data["dtype"]),
-                tokenizer=TokenizerInfo(**data["tokenizer"]),
+                tokenizer=_tokenizer(data["tokenizer"]),
                 total_tokens=_int(data["total_tokens"]),
                 documents=_int(data["documents"]),
                 shuffle_seed=_int(data["shuffle_seed"]),
@@ -105,6 +105,8 @@ class Manifest:
             raise
         except (ValueError, TypeError, KeyError) as exc:
             raise ManifestError(f"malformed manifest: {type(exc).__name__}: {exc}") from exc
+        except RecursionError:  # JSON nested deeper than the parser goes
+            raise ManifestError("malformed manifest: nested too deeply") from None
         manifest._check()
         return manifest
 
@@ -129,6 +131,16 @@ class Manifest:
                 raise ManifestError(f"file name {name!r} in the manifest is not a plain name")
         if len(set(names)) != len(names) or MANIFEST_NAME in names:
             raise ManifestError("manifest lists a file twice")
+        file = self.tokenizer.file
+        # The server hands this file to any reader of the dataset: it must be one of the
+        # dataset's own files, and its hash known, so nothing else can ever be served.
+        if file is not None and file not in self.extra_files:
+            raise ManifestError(
+                f"tokenizer.file {file!r} is not among the dataset's files "
+                f"(extra_files: {list(self.extra_files)})"
+            )
+        if file is not None and self.tokenizer.file_hash is None:
+            raise ManifestError(f"tokenizer.file {file!r} is set but tokenizer.file_hash is not")
 
     @property
     def fingerprint(self) -> str:
@@ -140,6 +152,37 @@ class Manifest:
         del content["created"]
         blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+_TOKENIZER_FIELDS = ("kind", "vocab_size", "eos_id", "file_hash", "file")
+
+
+def _tokenizer(raw: object) -> TokenizerInfo:
+    """The manifest's tokenizer table, every field of its exact type (ManifestError naming
+    the field otherwise): it reaches every client, in /v1/datasets and each welcome."""
+    if not isinstance(raw, dict):
+        raise ManifestError(f"tokenizer is not an object: {raw!r}")
+    unknown = sorted(set(raw) - set(_TOKENIZER_FIELDS))
+    if unknown:
+        raise ManifestError(f"tokenizer has unknown fields {unknown}")
+    for key in ("kind", "vocab_size", "eos_id"):
+        if key not in raw:
+            raise ManifestError(f"tokenizer.{key} is missing")
+    for key in ("kind", "file_hash", "file"):
+        value = raw.get(key)
+        if (value is not None and not isinstance(value, str)) or (key == "kind" and not value):
+            raise ManifestError(f"tokenizer.{key} must be a non-empty string, got {value!r}")
+    for key in ("vocab_size", "eos_id"):
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ManifestError(f"tokenizer.{key} must be an integer, got {value!r}")
+    file = raw.get("file")
+    if file is not None and not is_plain_file_name(file):
+        raise ManifestError(f"tokenizer.file {file!r} is not a plain file name")
+    try:
+        return TokenizerInfo(**raw)
+    except ValueError as exc:
+        raise ManifestError(f"tokenizer: {exc}") from exc
 
 
 def _int(value: object) -> int:

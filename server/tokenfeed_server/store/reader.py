@@ -32,6 +32,7 @@ from tokenfeed_server.store.format import (
     MANIFEST_NAME,
     ShardHeader,
     index_offset,
+    is_plain_file_name,
     shard_size,
 )
 from tokenfeed_server.store.manifest import Manifest, ShardInfo
@@ -309,6 +310,19 @@ class Dataset:
                     f"shard is corrupt: re-run tokenfeed-server prepare ... --dataset "
                     f"{self.name} --overwrite"
                 )
+
+    def read_extra_file(self, name: str) -> bytes:
+        """The content of ``name``, one of the manifest's ``extra_files``, read in this
+        dataset's directory (ValueError for any other name: nothing else is ever read)."""
+        if name not in self.manifest.extra_files or not is_plain_file_name(name):
+            raise ValueError(f"{name!r} is not one of dataset {self.name!r}'s files")
+        fd = os.open(self.path, _RDONLY | os.O_DIRECTORY)
+        try:
+            file_fd = os.open(name, _RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=fd)
+        finally:
+            os.close(fd)
+        with os.fdopen(file_fd, "rb") as f:
+            return f.read()
 
     def close(self) -> None:
         """Close the shard files; reading afterwards raises StoreError."""
