@@ -10,6 +10,7 @@ and the process exits with status 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -22,6 +23,7 @@ import zmq
 
 from tokenfeed_server import security
 from tokenfeed_server.api import ServerState, create_app
+from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane import DataPlane
 from tokenfeed_server.store import Store
@@ -33,29 +35,59 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; return the process exit status."""
     log.info("tokenfeed-server starting: %s", json.dumps(config.public_view()))
     tenants = security.tenants_for(config)
-    store = Store(config.store, verify_checksums=config.verify_checksums)
-    store.open_all()
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    zap = security.start_zap(context, tenants)
-    dataplane = DataPlane(
-        config,
-        store,
-        context=context,
-        tenants=tenants,
-        configure_socket=security.socket_setup(config, tenants),
-    )
-    zmq_endpoint = dataplane.start()
-    try:
-        http_sock = _bind_http(config.host, config.http_port)
-    except OSError as exc:
-        dataplane.stop()
-        log.error(
-            "cannot bind HTTP port %s:%s: %s; pick another with --http-port",
-            config.host,
-            config.http_port,
-            exc,
+    with contextlib.ExitStack() as cleanup:
+        # Undone in reverse on every way out, a failed bind included.
+        store = Store(config.store, verify_checksums=config.verify_checksums)
+        cleanup.callback(store.close)
+        store.open_all()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        cleanup.callback(context.term)
+        zap = security.start_zap(context, tenants)
+        if zap is not None:
+            cleanup.callback(zap.stop)
+        dataplane = DataPlane(
+            config,
+            store,
+            context=context,
+            tenants=tenants,
+            configure_socket=security.socket_setup(config, tenants),
         )
-        return 2
+        zmq_endpoint = dataplane.start()
+        cleanup.callback(dataplane.stop)
+        try:
+            http_sock = _bind_http(config.host, config.http_port)
+        except OSError as exc:
+            log.error(
+                "cannot bind HTTP port %s:%s: %s; pick another with --http-port",
+                config.host,
+                config.http_port,
+                exc,
+            )
+            return 2
+        cleanup.callback(http_sock.close)
+        return _serve_http(
+            config,
+            store,
+            dataplane,
+            tenants=tenants,
+            http_sock=http_sock,
+            zmq_endpoint=zmq_endpoint,
+            ready_stream=ready_stream,
+        )
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _serve_http(
+    config: ServerConfig,
+    store: Store,
+    dataplane: DataPlane,
+    *,
+    tenants: Tenants | None,
+    http_sock: socket.socket,
+    zmq_endpoint: str,
+    ready_stream: IO[str] | None,
+) -> int:
+    """Serve HTTP on ``http_sock`` until a signal; the caller closes everything after."""
     host, port = http_sock.getsockname()[:2]
     http_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     state = ServerState(config, store, dataplane, tenants)
@@ -90,12 +122,6 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
         asyncio.run(run())
     finally:
         state.ready = False
-        dataplane.stop()
-        if zap is not None:
-            zap.stop()
-        context.term()
-        store.close()
-        http_sock.close()
         log.info("tokenfeed-server stopped")
     return 0
 
@@ -103,8 +129,12 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
 def _bind_http(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
