@@ -56,12 +56,13 @@ the loop) on a short connection of its own: ``hello`` then ``bye``.
 Values and bounds
 -----------------
 A field is an ``int`` (in ``[-1, 2**63)``; ``bool`` is not an int here), a ``str`` (at
-most 512 characters), a ``bool``, a list (``tuple[T, ...]``, at most
-:data:`MAX_ITEMS` items) or a map with string keys (``dict[str, T]``, at most
-:data:`MAX_ITEMS` entries) of those. Field types nest at most :data:`MAX_DEPTH` levels
-(checked for every message type at import). A header frame is at most
-:data:`MAX_HEADER_BYTES` (64 KiB: room for a list of a thousand 40-byte names, far under
-the server's 64 KiB ``max_message_bytes``). Sizes are checked *before* anything is
+most :data:`MAX_STR` = 512 bytes of UTF-8, not characters), a ``bool``, a list
+(``tuple[T, ...]``, at most :data:`MAX_ITEMS` items) or a map with string keys
+(``dict[str, T]``, at most :data:`MAX_ITEMS` entries) of those. Field types nest at
+most :data:`MAX_DEPTH` levels (checked for every message type at import). A header frame is at most
+:data:`MAX_HEADER_BYTES` (64 KiB: room for a list of a thousand 40-byte names; equal to
+the server's default ``max_message_bytes``, which bounds the whole message, header and
+any other frames together). Sizes are checked *before* anything is
 unpacked: the frame length first, then msgpack's own per-container limits, so a hostile
 header never allocates more than its few kilobytes.
 
@@ -133,7 +134,7 @@ VERSION = 2
 
 #: Largest header frame either end accepts (see "Values and bounds" above).
 MAX_HEADER_BYTES = 64 * 1024
-#: Largest string value (dataset names, ids, messages).
+#: Largest string value in UTF-8 bytes, not characters (dataset names, ids, messages).
 MAX_STR = 512
 #: Most items of one list or entries of one map.
 MAX_ITEMS = 1024
