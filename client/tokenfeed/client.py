@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ __all__ = [
     "ClientOptions",
     "FeedClient",
     "Request",
+    "Stopped",
     "curve_keypair_from_token",
     "pack_requests",
 ]
@@ -74,6 +76,16 @@ _HANDSHAKE_FAILURES = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+# How often a wait checks the owner's stop event: a stopped client lets go within this.
+_STOP_SLICE = 0.1
+
+
+class Stopped(Exception):
+    """The owner of the client set its ``stop`` event: a wait gave up (not an error)."""
+
+    def __init__(self) -> None:
+        super().__init__("the client was stopped by its owner")
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,12 @@ def curve_keypair_from_token(token: str) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret), secret
 
 
+# What a handshake that failed on security means, and what to check.
+_DISAGREE = (
+    "the server and this client disagree on security (the server may need a token "
+    "(token= or TOKENFEED_TOKEN) or a CURVE key (server_public_key=), or not accept one)"
+)
+
 Received = tuple[protocol.Message, list[Any]]
 """A decoded header and the payload frames that came with it (empty but for chunks)."""
 
@@ -147,6 +165,9 @@ class FeedClient:
             is refused with :class:`~tokenfeed.errors.DatasetChanged`.
         consumed: returns the trainer's consumed stream position, put on every ``get``
             and on the ``bye`` (see :mod:`tokenfeed.consumed`); None: not known.
+        stop: when set (by another thread), every wait of ``hello`` and ``stream``
+            gives up within a tenth of a second by raising :class:`Stopped`, so a
+            receiver thread can be stopped while the server is gone.
     """
 
     def __init__(
@@ -161,6 +182,7 @@ class FeedClient:
         options: ClientOptions | None = None,
         fingerprint: str | None = None,
         consumed: Callable[[], int] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         # Checked before any socket exists: nothing to clean up when it is wrong.
         spread = rank * num_workers + worker
@@ -176,6 +198,10 @@ class FeedClient:
         self.fingerprint = fingerprint or None
         self._fingerprint_given = self.fingerprint is not None
         self._consumed = consumed
+        self._stop = stop
+        # Set by _check_handshake when the connection in use closed during the handshake
+        # for a reason that is not a verdict on our credentials (see there).
+        self._handshake_broken = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: zmq.Socket[bytes] | None = None
@@ -191,6 +217,7 @@ class FeedClient:
     def _open(self, address: str) -> zmq.Socket[bytes]:
         self._close_socket()
         self.endpoint = address
+        self._handshake_broken = False
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Held in self at once: whatever fails below, _close_socket (and close) sees it,
@@ -247,20 +274,30 @@ class FeedClient:
                 monitor.close(linger=0)
 
     def _check_handshake(self) -> None:
+        """Raise on a verdict about our credentials; note any other failed handshake.
+
+        Only two events are verdicts: the server refused the token (AUTH), or a ZMTP
+        peer announced another security mechanism (PROTOCOL with MECHANISM_MISMATCH).
+        libzmq reports NO_DETAIL (and other PROTOCOL errors) whenever the connection
+        closes before the greeting: a replica shutting down, or an ``ssh -L``,
+        ``kubectl port-forward`` or L4 balancer that accepts for a dead server. That is
+        a failed attempt like silence; :meth:`hello` moves on and decides at its deadline.
+        """
         mon = self._monitor
         while mon is not None and mon.poll(0):
-            event = recv_monitor_message(mon)["event"]
+            message = recv_monitor_message(mon)
+            event, value = message["event"], message["value"]
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise AuthenticationFailed(
                     f"the server at {self.endpoint} refused the token; check token= or "
                     "TOKENFEED_TOKEN against what the operator gave you"
                 )
-            if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                raise AuthenticationFailed(
-                    f"handshake with {self.endpoint} failed: the server and this client "
-                    "disagree on security (the server may need a token (token= or "
-                    "TOKENFEED_TOKEN) or a CURVE key (server_public_key=), or not accept one)"
-                )
+            if (
+                event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            ):
+                raise AuthenticationFailed(f"handshake with {self.endpoint} failed: {_DISAGREE}")
+            self._handshake_broken = True
 
     def close(self) -> None:
         """Say bye, close the socket and the context; the client can not be used afterwards."""
@@ -310,18 +347,26 @@ class FeedClient:
         refusal: protocol.Err | None = None
         warned = False
         advance = failover
+        # Attempts that reached an address, and those of them cut during the handshake:
+        # when every one was cut, the deadline's error is about security, not silence.
+        attempts = broken = 0
         while True:
             address = self.replicas.pick(advance=advance)
             advance = True
             msg: protocol.Message | None = None
+            cut = False
             if address is None:  # no name resolves (yet): a headless Service with no pod
                 self._close_socket()
-                time.sleep(min(wait, max(0.0, deadline_at - time.monotonic())))
+                self._sleep(min(wait, max(0.0, deadline_at - time.monotonic())))
             else:
                 sock = self._open(address)
                 sock.send(hello.header())
                 received = self._recv(min(wait, max(0.0, deadline_at - time.monotonic())))
                 msg = received[0] if received is not None else None
+                cut = msg is None and self._handshake_broken
+                # silence cut short by the deadline says nothing either way: not counted
+                attempts += cut or msg is not None or time.monotonic() < deadline_at
+                broken += cut
             if isinstance(msg, protocol.Welcome):
                 return self._accept(msg)
             if isinstance(msg, protocol.Err):
@@ -337,6 +382,13 @@ class FeedClient:
             now = time.monotonic()
             if now >= deadline_at:
                 self._close_socket()
+                if refusal is None and attempts and broken == attempts:
+                    raise AuthenticationFailed(
+                        f"every connection to {self._where()} closed during the handshake "
+                        f"for {now - started:.0f}s: either {_DISAGREE}, or something in "
+                        "between (ssh -L, kubectl port-forward, a load balancer) accepts "
+                        "connections for a server that is down"
+                    )
                 raise self._gave_up(refusal, now - started)
             if refusal is None and not warned and now - started >= opts.warn_after:
                 warned = True
@@ -347,9 +399,16 @@ class FeedClient:
                     now - started,
                     deadline_at - started,
                 )
-            if msg is not None:  # refused: wait before asking again
-                time.sleep(min(backoff.next(), max(0.0, deadline_at - now)))
+            if msg is not None or cut:  # refused, or cut at once: wait before asking again
+                self._sleep(min(backoff.next(), max(0.0, deadline_at - now)))
             wait = min(wait * 2, opts.request_timeout)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait ``seconds``, or raise :class:`Stopped` as soon as the owner says stop."""
+        if self._stop is None:
+            time.sleep(seconds)
+        elif self._stop.wait(seconds):
+            raise Stopped
 
     def _where(self) -> str:
         """The server, or every replica with its addresses, for a message."""
@@ -431,16 +490,22 @@ class FeedClient:
             )
 
     def _recv(self, timeout: float) -> Received | None:
-        """One message with its payload frames, or None after ``timeout`` seconds."""
+        """One message with its payload frames, or None after ``timeout`` seconds or
+        once the connection was cut during the handshake (a failed attempt)."""
         sock = self._sock
         assert sock is not None
         end = time.monotonic() + timeout
         while True:
-            ready = dict(self._poller.poll(max(0, int((end - time.monotonic()) * 1000))))
+            left = max(0.0, end - time.monotonic())
+            if self._stop is not None:
+                left = min(left, _STOP_SLICE)
+            ready = dict(self._poller.poll(int(left * 1000)))
             self._check_handshake()
             if sock in ready:
                 break
-            if time.monotonic() >= end:
+            if self._stop is not None and self._stop.is_set():
+                raise Stopped
+            if self._handshake_broken or time.monotonic() >= end:
                 return None
         frames = sock.recv_multipart(copy=False)
         return protocol.decode_header(frames[0].buffer), frames[1:]
@@ -510,7 +575,7 @@ class FeedClient:
                     "moving to the next replica" if self.replicas.several else "reconnecting",
                 )
             else:
-                time.sleep(backoff.next())
+                self._sleep(backoff.next())
             # Silence: the next replica; a refusal or a restarted server: the same one.
             self.hello(deadline_at=last_progress + opts.deadline, failover=msg is None)
             assert self.welcome is not None
