@@ -6,6 +6,7 @@ open with an admin token, one shared token, and a tenants file with an admin tok
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,12 @@ def test_status_shows_the_store_path_to_the_admin_only(tenants: LiveServer, stor
 
 def test_metrics_want_the_admin_token_and_health_stays_open(tenants: LiveServer) -> None:
     run_job(tenants, "alpha", ALICE)
+    # /v1/jobs and /metrics read the data plane's snapshot, refreshed a few times a
+    # second: wait (bounded) until it holds the job, then compare the two.
+    deadline = time.monotonic() + 20
+    while not tenants.get("/v1/jobs", headers=bearer(ADMIN)).json():
+        assert time.monotonic() < deadline, "the job never appeared in /v1/jobs"
+        time.sleep(0.1)
     assert tenants.get("/metrics").status_code == 401
     assert tenants.get("/metrics", headers=bearer("not-a-token")).status_code == 401
     refused = tenants.get("/metrics", headers=bearer(ALICE))
