@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -175,10 +176,20 @@ class TokenFeedDataset(IterableDataset[Batch]):
         """
         # Every rank asks the same replica (the first), not its own: with replicas of
         # different builds, all ranks pin the same one, and the others refuse.
-        with self._client(0, slot=0) as client:
+        return self._pin_build()
+
+    def _pin_build(self, stop: threading.Event | None = None) -> Welcome:
+        with self._client(0, slot=0, stop=stop) as client:
             return self._learn(client.hello())
 
-    def _client(self, worker: int, num_workers: int = 1, *, slot: int | None = None) -> FeedClient:
+    def _client(
+        self,
+        worker: int,
+        num_workers: int = 1,
+        *,
+        slot: int | None = None,
+        stop: threading.Event | None = None,
+    ) -> FeedClient:
         return FeedClient(
             self.endpoints,
             self.job,
@@ -189,6 +200,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             options=self.options,
             fingerprint=self.fingerprint,
             consumed=self._take_consumed,
+            stop=stop,
         )
 
     def _take_consumed(self) -> int:
@@ -264,27 +276,35 @@ class TokenFeedDataset(IterableDataset[Batch]):
                         yield _pack(pending, batch, self.boundary_eos, self.labels)
                     pending, have = [], 0
 
-    def iter_answers(self, worker: int, num_workers: int) -> Iterator[Answer]:
+    def iter_answers(
+        self, worker: int, num_workers: int, *, stop: threading.Event | None = None
+    ) -> Iterator[Answer]:
         """The raw received answers of worker ``worker``; :func:`batches_of` converts one.
 
         For a consumer in this process (``TokenFeedLoader`` with ``num_workers=0``): one
         hand-over per answer (several batches) instead of one per batch keeps thread
         switches off the per-batch path, and converting each batch only when it is taken
         keeps the memory ahead of the consumer at raw-token size (1/4 of int64 inputs and
-        labels). Items do not matter here (nothing crosses a process boundary).
+        labels). Items do not matter here (nothing crosses a process boundary). When
+        ``stop`` is set, a wait for the server ends within a tenth of a second by raising
+        :class:`tokenfeed.client.Stopped` (for a receiver thread that must end now).
         """
-        return self._answers(worker, num_workers, None)
+        return self._answers(worker, num_workers, None, stop)
 
     def _answers(
-        self, worker: int, num_workers: int, sizes: collections.deque[int] | None
+        self,
+        worker: int,
+        num_workers: int,
+        sizes: collections.deque[int] | None,
+        stop: threading.Event | None = None,
     ) -> Iterator[Answer]:
         """Received answers for this worker's steps; item sizes are appended to ``sizes``."""
         start = self.position
         if self.fingerprint is None and _several(Replicas(self.endpoints)):
             # Not pinned before the workers started (a DataLoader of the user's own): each
             # worker would pin the build of the replica it met first. Pin the common one.
-            self.check_server()
-        with self._client(worker, num_workers) as client:
+            self._pin_build(stop)
+        with self._client(worker, num_workers, stop=stop) as client:
             welcome = self._learn(client.hello())
             n_steps = self._steps_left(start, welcome.n_windows)
 

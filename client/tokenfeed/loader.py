@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -91,10 +90,14 @@ class TokenFeedLoader:
         self.dataset.position = self.position
         # Made before the workers start, so that they inherit it with the dataset.
         consumed = self.dataset.consumed = ConsumedCounter(self.position)
-        reporter = _Reporter(self.dataset, self.report_after) if self.report_after else None
+        reporter: _Reporter | None = None
         step = self.dataset.global_batch
         try:
             source = self._source()
+            # Started only now, after the workers were forked: a fork while this thread
+            # held a lock (the resolver's, logging's) would leave it held in the child.
+            if self.report_after:
+                reporter = _Reporter(self.dataset, self.report_after)
             try:
                 batches = stage(source, self.device) if self.device is not None else source
                 for batch in batches:
@@ -114,9 +117,9 @@ class TokenFeedLoader:
 
     def _source(self) -> _Background | _Workers:
         if self.num_workers == 0:
-            return _Background(
-                self.dataset.iter_answers(0, 1), self.dataset.convert, self.pin_memory
-            )
+            stop = threading.Event()
+            answers = self.dataset.iter_answers(0, 1, stop=stop)
+            return _Background(answers, self.dataset.convert, self.pin_memory, stop)
         # Hello from this process first: the workers then read the build pinned here (or
         # the loaded state's), and a refusal is raised here, not from inside a worker.
         self.dataset.check_server()
@@ -142,6 +145,11 @@ class TokenFeedLoader:
         """Continue from ``state_dict`` at the next ``iter()``."""
         self.dataset.load_state_dict(state_dict)
         self.position = self.dataset.position
+
+
+def _pinned(batch: Batch) -> Batch:
+    """The batch with every tensor in pinned (page-locked) memory, for fast GPU copies."""
+    return {k: v.pin_memory() for k, v in batch.items()}
 
 
 class _Reporter:
@@ -190,7 +198,7 @@ class _Workers(Iterator[Batch]):
         while True:
             batch = next(self._ready, None)
             if batch is not None:
-                return {k: v.pin_memory() for k, v in batch.items()} if self._pin else batch
+                return _pinned(batch) if self._pin else batch
             self._ready = iter(unpack(next(self._items)))
 
     def close(self) -> None:
@@ -211,13 +219,18 @@ class _Background(Iterator[Batch]):
     """
 
     def __init__(
-        self, source: Iterator[Answer], convert: Callable[[Answer], Iterator[Batch]], pin: bool
+        self,
+        source: Iterator[Answer],
+        convert: Callable[[Answer], Iterator[Batch]],
+        pin: bool,
+        stop: threading.Event,
     ) -> None:
         # One slot holds a whole chunk (tens of batches): one ready chunk plus the one being
         # consumed; the client's request window reads further ahead, at raw size, so more
         # slots would only hold memory.
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
+        # Shared with the source's client: its waits for the server end when this is set.
+        self._stop = stop
         self._convert = convert
         self._ready: Iterator[Batch] = iter(())
         self._done: BaseException | None = None
@@ -247,14 +260,19 @@ class _Background(Iterator[Batch]):
             else:
                 self._ready = iter(item) if isinstance(item, list) else self._convert(item)
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop the receiver and wait (briefly) until it has closed its connection."""
+    def close(self) -> None:
+        """Stop the receiver and wait until it has closed its connection and context.
+
+        Every wait of the receiver (the queue, the server, a failover's hellos) checks
+        the stop event at least every tenth of a second, so this returns promptly even
+        while the server is gone, and no receiver outlives its loop beside the next one.
+        """
         self._stop.set()
         self._done = StopIteration()
-        deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < deadline:
+        while self._thread.is_alive():
             with contextlib.suppress(queue.Empty):  # free a receiver blocked on a full queue
                 self._queue.get(timeout=0.05)
+        self._thread.join()
 
     def __del__(self) -> None:
         self._stop.set()
@@ -281,11 +299,7 @@ def _receive(
 
     try:
         for answer in source:
-            batches: Any = (
-                [{k: v.pin_memory() for k, v in b.items()} for b in convert(answer)]
-                if pin
-                else answer
-            )
+            batches: Any = [_pinned(b) for b in convert(answer)] if pin else answer
             if not put(batches):
                 return
         put(_END)
