@@ -117,3 +117,35 @@ def test_hello_storm_cannot_grow_the_job_table(server: LiveServer) -> None:
         server.zmq, JobSpec("alpha", 64, 4, 1, 1), rank=0, worker=0, options=options
     ) as client:
         assert client.hello().n_windows > 0
+
+
+def test_a_renamed_connection_is_not_evicted_by_its_old_name(server: LiveServer) -> None:
+    """A connection that says hello again under another name leaves no trace of the old
+    one: a later connection using the old name is a newcomer (refused at the cap of one
+    connection per tenant here), not this one's reconnect that would evict it."""
+    ctx = zmq.Context()
+    first, second = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (first, second):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(server.zmq)
+
+        def hello(sock: zmq.Socket[bytes], name: str) -> protocol.Message:
+            msg = protocol.Hello("alpha", 64, 4, 77, 1, 0, 0, window=2, client=name)
+            sock.send(msg.header())
+            assert sock.poll(5000), "no answer to hello"
+            return protocol.decode_header(sock.recv())
+
+        assert isinstance(hello(first, "old-name"), protocol.Welcome)
+        welcome = hello(first, "new-name")
+        assert isinstance(welcome, protocol.Welcome)
+        refused = hello(second, "old-name")
+        assert isinstance(refused, protocol.Err) and refused.code == "connection_limit"
+        first.send(protocol.Get(req=0, job=welcome.job, rank=0, pos=0, count=1, stride=1).header())
+        assert first.poll(5000), "no answer to get"
+        assert isinstance(protocol.decode_header(first.recv_multipart()[0]), protocol.Chunk)
+        first.send(protocol.Bye().header())
+    finally:
+        first.close(linger=2000)
+        second.close()
+        ctx.term()

@@ -209,6 +209,43 @@ def test_a_job_that_never_reported_shows_null(server: LiveServer) -> None:
         ctx.term()
 
 
+def test_a_restart_starts_the_consumed_position_again(server: LiveServer) -> None:
+    """A trainer restarting from an earlier checkpoint joins the same job id: its old
+    position is dropped once nobody is attached, and no report passes what was served."""
+    hello = protocol.Hello(
+        dataset="text", seq_len=SEQ, batch_size=2, seed=602, world_size=1, rank=0, worker=0,
+        window=2, client="restarting",
+    )  # fmt: skip
+    ctx = zmq.Context()
+
+    def session(consumed: int) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(server.zmq)
+            sock.send(hello.header())
+            assert sock.poll(10_000), "no welcome"
+            welcome = protocol.decode_header(sock.recv())
+            assert isinstance(welcome, protocol.Welcome)
+            get = protocol.Get(req=0, job=welcome.job, rank=0, pos=0, count=3, stride=1)
+            sock.send(get.header())
+            assert sock.poll(10_000), "no chunk"
+            sock.recv_multipart()
+            sock.send(protocol.Bye(consumed=consumed).header())
+        finally:
+            sock.close(linger=2000)  # bye is one-way: let it leave
+
+    try:
+        session(consumed=2**62)  # a wild report: clamped to what was served (3 batches)
+        job = wait_for(server, 602, lambda j: j["consumed_position"] is not None)
+        assert job["consumed_position"] == job["position"] == 6
+        session(consumed=2)  # the restart: its own, lower position is shown
+        job = wait_for(server, 602, lambda j: j["consumed_position"] != 6)
+        assert job["consumed_position"] == 2
+    finally:
+        ctx.term()
+
+
 # -- the parts, without a server ----------------------------------------------------------
 
 

@@ -350,6 +350,12 @@ class DataPlane:
         jid = job_id(spec, ds.fingerprint, tenant)
         job = self.jobs.get(jid)
         if job is not None:
+            if not any(p.job == jid for p in self.peers.values()):
+                # Nobody attached: the trainer starts again (a restart from a checkpoint
+                # joins the same job id), so its old consumed position says nothing. The
+                # rate keeps its samples: it reads a fall as 0, and the loader's own
+                # end-of-loop report (a hello of its own) must not zero a live rate.
+                job.consumed = -1
             return job
         plan = Plan(
             n_tokens=ds.n_tokens,
@@ -383,10 +389,14 @@ class DataPlane:
     ) -> Peer:
         """Attach connection ``ident`` to ``job`` (moving it off another job if need be)."""
         old = self.peers.get(ident)
-        if old is not None and old.job != job.id:
+        if old is not None and (old.job != job.id or old.name != msg.client):
+            # One name per connection: a name left behind would let a later connection
+            # under that name pass for this one's reconnect and evict it (and the table
+            # of names would grow with every rename).
             self._forget_peer(ident)
             old = None
         peer = old or Peer(msg.client, job.id, msg.rank, msg.worker, tenant, window)
+        peer.rank, peer.worker = msg.rank, msg.worker
         peer.window, peer.last_seen = window, time.monotonic()
         self.peers[ident] = peer
         self._by_name[(tenant, msg.client)] = ident
@@ -508,8 +518,11 @@ class DataPlane:
         """Keep the furthest consumed position reported for job ``jid``: workers read the
         trainer's counter at different times, so a report may be older than the last."""
         job = self.jobs.get(jid)
-        if job is not None and consumed > job.consumed:
-            job.consumed = consumed
+        if job is None:
+            return
+        # Never past what was served: a wild report must not pin the figure forever.
+        consumed = min(consumed, job.position)
+        job.consumed = max(job.consumed, consumed)
 
     # -- serving ---------------------------------------------------------------------
 
