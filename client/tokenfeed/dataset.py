@@ -300,7 +300,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
     ) -> Iterator[Answer]:
         """Received answers for this worker's steps; item sizes are appended to ``sizes``."""
         start = self.position
-        if self.fingerprint is None and _several(Replicas(self.endpoints)):
+        if self.fingerprint is None and _several(self.endpoints):
             # Not pinned before the workers started (a DataLoader of the user's own): each
             # worker would pin the build of the replica it met first. Pin the common one.
             self._pin_build(stop)
@@ -379,9 +379,11 @@ class TokenFeedDataset(IterableDataset[Batch]):
         self.fingerprint = fingerprint
 
 
-def _several(replicas: Replicas) -> bool:
-    """More than one replica named or resolved (a name may hide several)."""
-    return len(replicas.endpoints) > 1 or len(replicas.resolve().addresses) > 1
+def _several(endpoints: Sequence[str]) -> bool:
+    """More than one replica named or resolved now (a name may hide several)."""
+    replicas = Replicas(endpoints)
+    replicas.resolve()
+    return replicas.several
 
 
 def _distributed_defaults() -> tuple[int, int]:
