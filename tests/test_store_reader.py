@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +241,25 @@ def test_open_sees_one_build_when_overwritten_between_manifest_and_shards(
         assert ds.fingerprint == old_fp
         np.testing.assert_array_equal(ds.read(0, ds.n_tokens), old_tokens)
         ds.verify_checksums()
+
+
+def test_running_out_of_descriptors_says_ulimit_not_damaged(store: Path) -> None:
+    """The server keeps one descriptor per shard: past the process limit the error names
+    the limit to raise, and does not call a sound dataset damaged."""
+    write_dataset(store, "many", random_docs(80), tokenizer=BYTE, shuffle_seed=0, shard_tokens=20)
+    script = (
+        "import resource, sys\n"
+        "from tokenfeed.errors import CorruptShard, StoreError\n"
+        "from tokenfeed_server.store import open_dataset\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))\n"
+        "try:\n"
+        f"    open_dataset({str(store)!r}, 'many')\n"
+        "except CorruptShard as exc:\n"
+        "    print('damaged:', exc)\n"
+        "except StoreError as exc:\n"
+        "    print('limit:', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert out.startswith("limit:") and "ulimit -n" in out and "'many'" in out, out

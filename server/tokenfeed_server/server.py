@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; return the process exit status."""
     log.info("tokenfeed-server starting: %s", json.dumps(config.public_view()))
+    _raise_open_file_limit()
     tenants = security.tenants_for(config)
     with contextlib.ExitStack() as cleanup:
         # Undone in reverse on every way out, a failed bind included.
@@ -138,3 +140,14 @@ def _bind_http(host: str, port: int) -> socket.socket:
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def _raise_open_file_limit() -> None:
+    """Lift the soft limit on open files to the hard one: the store keeps one descriptor
+    per shard, and a big store would pass the usual soft limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # e.g. an infinite hard limit some kernels refuse
+            log.warning("could not raise the open-file limit from %d: %s", soft, exc)

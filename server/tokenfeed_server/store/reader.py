@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
@@ -100,6 +101,14 @@ class Dataset:
             except FileNotFoundError:
                 raise CorruptShard(f"{path}: shard file is missing; {_FIX}") from None
             except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Not a damaged dataset: the server holds one descriptor per shard.
+                    raise StoreError(
+                        f"dataset {self.name!r}: out of file descriptors opening shard "
+                        f"{len(self._fds) + 1} of {len(self.manifest.shards)} (the server "
+                        "keeps one per shard); raise the limit (`ulimit -n`, or "
+                        "`nofile` in Docker/systemd) and restart the server"
+                    ) from exc
                 raise CorruptShard(f"{path}: cannot open shard: {exc}; {_FIX}") from exc
             self._fds.append(fd)
             # Checked through the descriptor that will be read: no window for a swap.
