@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
@@ -398,6 +399,16 @@ def test_the_dockerfile_install_runs_the_server_without_torch(
     run(
         [python, *health[1:]],
         env={**serve_env, "TOKENFEED_HTTP_PORT": str(server.http_port)},
+        timeout=30,
+    )
+    # The status page's files ship in the wheel (package data), not only in the tree.
+    page = httpx.get(server.http + "/", timeout=10)
+    assert page.status_code == 200 and "console/console.js" in page.text
+    for asset in ("console/console.js", "console/console.css"):
+        assert httpx.get(f"{server.http}/{asset}", timeout=10).status_code == 200, asset
+    assert "site-packages" in run(
+        [python, "-c", "import tokenfeed_server.console as c; print(c.__file__)"],
+        env=env,
         timeout=30,
     )
     assert server.stop() == 0

@@ -452,6 +452,9 @@ def test_up_server_alone_writes_nothing_and_serves_a_dataset_prepared_later(
         http = f"http://127.0.0.1:{published['TOKENFEED_HTTP_PUBLISH']}"
         auth = {"Authorization": f"Bearer {TOKEN}"}
         assert httpx.get(f"{http}/readyz", timeout=10).status_code == 200
+        page = httpx.get(f"{http}/", timeout=10)  # the status page ships in the image
+        assert page.status_code == 200 and "console/console.js" in page.text
+        assert httpx.get(f"{http}/console/console.js", timeout=10).status_code == 200
         assert httpx.get(f"{http}/v1/datasets", headers=auth, timeout=10).json() == []
 
         # A dataset prepared while the server runs is served without a restart.
