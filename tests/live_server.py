@@ -6,9 +6,11 @@ every wait has a timeout so a broken server fails the test instead of hanging it
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
+import zmq
 
 from tokenfeed_server.auth import token_digest
 from tokenfeed_server.launch import ServerProcess
@@ -26,6 +28,30 @@ class LiveServer(ServerProcess):
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.get(self.http + path, timeout=10.0, **kwargs)
+
+    def settled_counter(self, name: str) -> int:
+        """A data-plane counter once everything sent to this server before now is counted.
+
+        The status snapshot is refreshed a few times a second: send one known bad message
+        and read the counter from the first snapshot that counts it (bounded).
+        """
+        marks = int(self.get("/v1/status").json()["counters"].get("err_bad_request", 0))
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.zmq)
+            sock.send(b"not msgpack")
+            assert sock.poll(10_000), "no answer to the marker message"
+            sock.recv()
+        finally:
+            sock.close(linger=0)
+        for _ in range(200):  # bounded: 200 reads of the snapshot
+            counters = self.get("/v1/status").json()["counters"]
+            if int(counters.get("err_bad_request", 0)) > marks:
+                return int(counters.get(name, 0))
+            time.sleep(0.05)
+        raise AssertionError("the status snapshot never counted the marker message")
 
     def get_at(self, host: str, path: str) -> httpx.Response:
         """GET through another address of this server (for one bound to 0.0.0.0)."""

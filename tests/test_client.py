@@ -189,35 +189,11 @@ def test_a_refused_hello_backs_off_and_raises_the_real_cause(store: Path, tmp_pa
         ):
             refused.hello()
         assert info.value.code == "connection_limit"
-        refusals = _settled_counter(srv, "err_connection_limit")
+        refusals = srv.settled_counter("err_connection_limit")
     # Every hello was refused at once; between them the client waited its backoff, so
     # within the deadline there are at most as many as the schedule's floors allow.
     bound = Backoff(cap=1.0).max_retries(deadline) + 1
     assert 2 <= refusals <= bound, (refusals, bound)
-
-
-def _settled_counter(srv: LiveServer, name: str) -> int:
-    """A data-plane counter once everything sent before now is counted.
-
-    The status snapshot is refreshed a few times a second: send one known bad message
-    after the client is done and read the counter from the first snapshot that counts it.
-    """
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(srv.zmq)
-        sock.send(b"not msgpack")
-        assert sock.poll(10_000), "no answer to the marker message"
-        sock.recv()
-    finally:
-        sock.close(linger=0)
-    for _ in range(200):  # bounded: 200 reads of the snapshot
-        counters = srv.get("/v1/status").json()["counters"]
-        if counters.get("err_bad_request", 0) >= 1:
-            return int(counters.get(name, 0))
-        threading.Event().wait(0.05)
-    raise AssertionError("the status snapshot never counted the marker message")
 
 
 # -- silence (issue 11 item 7) ------------------------------------------------------------

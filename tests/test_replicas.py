@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zmq
 
 from live_server import LiveServer
 from shard_data import BYTE
@@ -117,30 +116,6 @@ def batches_served(srv: LiveServer, at_least: int = 1) -> int:
             return served
         threading.Event().wait(0.05)
     return served
-
-
-def settled_counter(srv: LiveServer, name: str) -> int:
-    """A data-plane counter once everything sent to ``srv`` before now is counted.
-
-    The status snapshot is refreshed a few times a second: send one known bad message and
-    read the counter from the first snapshot that counts it (bounded).
-    """
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(srv.zmq)
-        sock.send(b"not msgpack")
-        assert sock.poll(10_000), "no answer to the marker message"
-        sock.recv()
-    finally:
-        sock.close(linger=0)
-    for _ in range(200):
-        counters = srv.get("/v1/status").json()["counters"]
-        if counters.get("err_bad_request", 0) >= 1:
-            return int(counters.get(name, 0))
-        threading.Event().wait(0.05)
-    raise AssertionError("the status snapshot never counted the marker message")
 
 
 # -- the endpoints --------------------------------------------------------------------------
@@ -321,4 +296,4 @@ def test_replicas_over_different_builds_are_refused_never_mixed(
             assert got
         assert len(got) < len(want)
         assert all(torch.equal(x, y) for x, y in zip(got, want[: len(got)], strict=True))
-        assert settled_counter(b, "chunks") == 0
+        assert b.settled_counter("chunks") == 0
