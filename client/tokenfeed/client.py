@@ -136,6 +136,9 @@ def curve_keypair_from_token(token: str) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret), secret
 
 
+# Handshakes cut in a row, per replica, that count as a verdict on security (see hello).
+_CUTS_PER_REPLICA = 3
+
 # What a handshake that failed on security means, and what to check.
 _DISAGREE = (
     "the server and this client disagree on security (the server may need a token "
@@ -350,6 +353,10 @@ class FeedClient:
         # Attempts that reached an address, and those of them cut during the handshake:
         # when every one was cut, the deadline's error is about security, not silence.
         attempts = broken = 0
+        # Cuts in a row with nothing else between: past a few per replica it is a verdict
+        # (a server of another mechanism may cut before its greeting is read, so one cut
+        # is no proof), and the client says so now rather than at the deadline.
+        cuts_in_a_row = 0
         while True:
             address = self.replicas.pick(advance=advance)
             advance = True
@@ -367,6 +374,7 @@ class FeedClient:
                 # silence cut short by the deadline says nothing either way: not counted
                 attempts += cut or msg is not None or time.monotonic() < deadline_at
                 broken += cut
+                cuts_in_a_row = cuts_in_a_row + 1 if cut else 0
             if isinstance(msg, protocol.Welcome):
                 return self._accept(msg)
             if isinstance(msg, protocol.Err):
@@ -380,9 +388,12 @@ class FeedClient:
                     f"the server at {self.endpoint} answered hello with {msg.TYPE!r}"
                 )
             now = time.monotonic()
-            if now >= deadline_at:
+            every_replica_cut = cuts_in_a_row >= _CUTS_PER_REPLICA * max(
+                1, len(self.replicas.last.addresses)
+            )
+            if now >= deadline_at or every_replica_cut:
                 self._close_socket()
-                if refusal is None and attempts and broken == attempts:
+                if refusal is None and attempts and (broken == attempts or every_replica_cut):
                     raise AuthenticationFailed(
                         f"every connection to {self._where()} closed during the handshake "
                         f"for {now - started:.0f}s: either {_DISAGREE}, or something in "
