@@ -29,6 +29,25 @@ class LiveServer(ServerProcess):
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.get(self.http + path, timeout=10.0, **kwargs)
 
+    def run_job(self, dataset: str, token: str | None = None) -> None:
+        """Leave a job on this server by reading two batches of ``dataset`` (it stays
+        listed for --job-ttl-s after the trainer leaves)."""
+        from tokenfeed import TokenFeedDataset  # torch: only for the tests that train
+
+        loader = TokenFeedDataset(
+            self.zmq,
+            dataset,
+            seq_len=64,
+            batch_size=2,
+            rank=0,
+            world_size=1,
+            samples=4,
+            token=token,
+            request_timeout=2.0,
+            deadline=15.0,
+        )
+        assert sum(1 for _ in loader) == 2
+
     def settled_counter(self, name: str) -> int:
         """A data-plane counter once everything sent to this server before now is counted.
 

@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
-from tokenfeed import TokenFeedDataset
 from tokenfeed_server.api_models import ConfigView, LimitsView
 from tokenfeed_server.config import Limits, ServerConfig
 from tokenfeed_server.store import write_dataset
@@ -58,23 +57,6 @@ def tenants(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[L
 def open_server(store: Path) -> Iterator[LiveServer]:
     with LiveServer(store) as srv:
         yield srv
-
-
-def run_job(srv: LiveServer, name: str, token: str | None) -> None:
-    """Create a job on ``srv`` by reading two batches of ``name``."""
-    loader = TokenFeedDataset(
-        srv.zmq,
-        name,
-        seq_len=64,
-        batch_size=2,
-        rank=0,
-        world_size=1,
-        samples=4,
-        token=token,
-        request_timeout=2.0,
-        deadline=15.0,
-    )
-    assert sum(1 for _ in loader) == 2
 
 
 # -- the declared models ------------------------------------------------------------------
@@ -129,7 +111,7 @@ def test_models_cover_every_published_setting_and_limit() -> None:
 
 
 def test_every_answer_validates_against_its_model(open_server: LiveServer, store: Path) -> None:
-    run_job(open_server, "alpha", None)
+    open_server.run_job("alpha", None)
     listed = {d["name"]: d for d in open_server.get("/v1/datasets").json()}
     assert listed["alpha"]["ok"] is True and listed["alpha"]["tokenizer"]["eos_id"] == 256
     assert listed["alpha-broken"]["ok"] is False and "truncated" in listed["alpha-broken"]["error"]
@@ -186,7 +168,7 @@ def test_status_shows_the_store_path_to_the_admin_only(tenants: LiveServer, stor
 
 
 def test_metrics_want_the_admin_token_and_health_stays_open(tenants: LiveServer) -> None:
-    run_job(tenants, "alpha", ALICE)
+    tenants.run_job("alpha", ALICE)
     # /v1/jobs and /metrics read the data plane's snapshot, refreshed a few times a
     # second: wait (bounded) until it holds the job, then compare the two.
     deadline = time.monotonic() + 20

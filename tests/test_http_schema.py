@@ -23,10 +23,8 @@ import numpy as np
 import pytest
 from jsonschema import Draft202012Validator
 
-from live_server import LiveServer
+from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
-from tokenfeed import TokenFeedDataset
-from tokenfeed_server.auth import token_digest
 from tokenfeed_server.store import write_dataset
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -53,38 +51,17 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def open_server(store: Path) -> Iterator[LiveServer]:
     with LiveServer(store) as srv:
-        run_job(srv, None)
+        srv.run_job("alpha", None)
         yield srv
 
 
 @pytest.fixture(scope="module")
 def tenants_server(store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     tenants = tmp_path_factory.mktemp("conf") / "tenants.toml"
-    tenants.write_text(
-        f'admin_token_sha256 = "{token_digest(ADMIN)}"\n\n'
-        f'[[tenant]]\nname = "t"\ntoken_sha256 = "{token_digest(TENANT)}"\n'
-        'datasets = ["alpha", "broken"]\n'
-    )
+    tenants.write_text(tenants_toml(ADMIN, {"t": (TENANT, ["alpha", "broken"])}))
     with LiveServer(store, extra=["--tenants", str(tenants)]) as srv:
-        run_job(srv, TENANT)
+        srv.run_job("alpha", TENANT)
         yield srv
-
-
-def run_job(srv: LiveServer, token: str | None) -> None:
-    """Leave a job on ``srv`` (it stays listed for --job-ttl-s after the trainer leaves)."""
-    loader = TokenFeedDataset(
-        srv.zmq,
-        "alpha",
-        seq_len=64,
-        batch_size=2,
-        rank=0,
-        world_size=1,
-        samples=4,
-        token=token,
-        request_timeout=2.0,
-        deadline=15.0,
-    )
-    assert sum(1 for _ in loader) == 2
 
 
 def schemathesis(url: str, report: Path, *extra: str) -> dict[str, Any]:
