@@ -25,6 +25,33 @@ EVERY = [
     protocol.Bye(),
     protocol.Bye(consumed=1 << 40),
     protocol.Get(req=1, job="j", rank=0, pos=64, count=1, stride=1, consumed=32),
+    MIX_HELLO := dataclasses.replace(
+        HELLO,
+        dataset="",
+        sources=("web", "code", "math"),
+        schedule=((0, 7, 2, 1), (1000, 1, 1, 0)),
+        fingerprints=("a" * 16, "", "b" * 16),
+    ),
+    dataclasses.replace(HELLO, shuffle="block"),
+    dataclasses.replace(HELLO, shuffle="block", region_windows=512, block_regions=4),
+    dataclasses.replace(MIX_HELLO, shuffle="block", region_windows=8),
+    protocol.Welcome("s", "j", "fp", 10, 2, "uint16", 4, 8, 256, region_windows=3),
+    protocol.Welcome(
+        "s",
+        "j",
+        "fp",
+        30,
+        6,
+        "uint16",
+        4,
+        8,
+        256,
+        source_fingerprints=("a", "b"),
+        source_tokens=(10, 20),
+        source_windows=(2, 4),
+        source_region_windows=(0, 0),
+        source_block_regions=(0, 0),
+    ),
 ]
 
 
@@ -77,8 +104,8 @@ def test_missing_required_field_is_named() -> None:
 
 
 def test_unknown_fields_are_refused_naming_them() -> None:
-    raw = {**fields(HELLO), "schedule": [1, 2]}
-    with pytest.raises(ProtocolError, match=r"unexpected fields \['schedule'\].*newer"):
+    raw = {**fields(HELLO), "curriculum": [1, 2]}
+    with pytest.raises(ProtocolError, match=r"unexpected fields \['curriculum'\].*newer"):
         protocol.decode_header(packed(raw))
 
 
@@ -194,3 +221,163 @@ def test_every_err_fits_the_string_bound() -> None:
     with pytest.raises(ProtocolError) as info:
         protocol.decode_header(junk)
     assert len(str(info.value)) < 200  # names the problem without echoing the bytes
+
+
+# -- mixtures and shuffle (issue 13) ------------------------------------------------------
+
+
+def test_single_dataset_messages_are_byte_identical_to_before_mixtures() -> None:
+    """A single-dataset hello/welcome/chunk carries exactly the fields v2 had, so an older
+    v2 peer never sees the mixture or shuffle fields unless they are used."""
+    assert set(fields(HELLO)) == {
+        "v",
+        "t",
+        "dataset",
+        "seq_len",
+        "batch_size",
+        "seed",
+        "world_size",
+        "rank",
+        "worker",
+        "window",
+        "client",
+    }
+    assert list(fields(EVERY[2])) == [
+        "v",
+        "t",
+        "server",
+        "job",
+        "fingerprint",
+        "n_tokens",
+        "n_windows",
+        "dtype",
+        "window",
+        "max_count",
+        "eos_id",
+    ]
+    old_hello = {k: v for k, v in fields(HELLO).items()}
+    assert HELLO.header() == packed(old_hello)
+
+
+def test_mixture_fields_go_on_the_wire_only_when_used() -> None:
+    mix = fields(MIX_HELLO)
+    assert mix["dataset"] == "" and mix["sources"] == ["web", "code", "math"]
+    assert mix["schedule"] == [[0, 7, 2, 1], [1000, 1, 1, 0]]
+    assert "shuffle" not in mix and "region_windows" not in mix
+    block = fields(dataclasses.replace(HELLO, shuffle="block"))
+    assert block["shuffle"] == "block" and "region_windows" not in block
+
+
+def test_lists_are_accepted_and_compare_equal_to_what_is_decoded() -> None:
+    """Callers build messages from lists (Mixture.to_wire()); the decoder makes tuples."""
+    from_lists = protocol.Hello(
+        "",
+        128,
+        8,
+        0,
+        1,
+        0,
+        0,
+        window=4,
+        client="c",
+        sources=["web", "code"],  # type: ignore[arg-type]
+        schedule=[[0, 1, 3]],  # type: ignore[arg-type]
+        fingerprints=["x", "y"],  # type: ignore[arg-type]
+    )
+    assert protocol.decode_header(from_lists.header()) == from_lists
+    assert from_lists.schedule == ((0, 1, 3),)
+    spec = protocol.JobSpec("", 8, 2, 0, 1, sources=["a", "b"], schedule=[[0, 1, 1]])  # type: ignore[arg-type]
+    assert spec.is_mixture and hash(spec) == hash(
+        protocol.JobSpec("", 8, 2, 0, 1, ("a", "b"), ((0, 1, 1),))
+    )
+    assert not protocol.JobSpec("alpha", 8, 2, 0, 1).is_mixture
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"dataset": "web"}, "dataset must be empty"),
+        ({"fingerprint": "f" * 16}, "fingerprints; fingerprint must be empty"),
+        ({"sources": ["web", "bad/name", "math"]}, "invalid dataset name 'bad/name'"),
+        ({"sources": ["web", "..x", "math"]}, "invalid dataset name"),
+        ({"sources": ["web", "code", "web"]}, r"names \['web'\] more than once"),
+        ({"schedule": []}, "needs a schedule"),
+        ({"schedule": [[0, 1, 1]]}, r"schedule\[0\] must be \[start, one weight per source\]"),
+        ({"schedule": [[0, 1, 1, 1], [5, 1, -1, 1]]}, r"schedule\[1\] must be"),
+        ({"schedule": [[0, 1, 1, "1"]]}, r"schedule\[0\]\[3\] must be an integer"),
+        ({"fingerprints": ["a", "b"]}, "2 entries for 3 sources"),
+        ({"shuffle": "random"}, "shuffle must be one of"),
+        ({"region_windows": 4}, 'shuffle="block" only'),
+        ({"shuffle": "block", "block_regions": -1}, "must be >= 0"),
+    ],
+)
+def test_mixture_hello_is_validated_by_the_decoder(change: dict[str, Any], match: str) -> None:
+    raw = {**fields(MIX_HELLO), **change}
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode_header(packed(raw))
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"schedule": [[0, 1]]}, "need hello.sources"),
+        ({"fingerprints": ["a"]}, "need hello.sources"),
+        ({"shuffle": "global", "block_regions": 2}, 'shuffle="block" only'),
+    ],
+)
+def test_single_dataset_hello_refuses_mixture_only_fields(
+    change: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        protocol.decode_header(packed({**fields(HELLO), **change}))
+
+
+def test_welcome_source_lists_are_parallel() -> None:
+    raw = fields(EVERY[-1])
+    assert raw["source_tokens"] == [10, 20] and "region_windows" not in raw
+    with pytest.raises(ProtocolError, match=r"one entry per source each.*source_windows=1"):
+        protocol.decode_header(packed({**raw, "source_windows": [2]}))
+    with pytest.raises(ProtocolError, match="source_tokens=0"):
+        protocol.decode_header(packed({**raw, "source_tokens": []}))
+
+
+def test_source_names_follow_the_stores_rule() -> None:
+    """The decoder's name check and the store's are the same rule."""
+    from tokenfeed.errors import InvalidDatasetName
+    from tokenfeed_server.store.reader import validate_dataset_name
+
+    names = ["a", "web", "A.b_c-d", "x" * 128, "x" * 129, ".hidden", "-x", "a..b", "a/b", "é", ""]
+    for name in names:
+        try:
+            validate_dataset_name(name)
+            store_ok = True
+        except InvalidDatasetName:
+            store_ok = False
+        raw = {**fields(MIX_HELLO), "sources": [name, "zz"], "schedule": [[0, 1, 1]]}
+        raw.pop("fingerprints")
+        try:
+            protocol.decode_header(packed(raw))
+            wire_ok = True
+        except ProtocolError:
+            wire_ok = False
+        assert wire_ok == store_ok, name
+
+
+def test_mixture_fingerprint_depends_on_every_source_and_their_order() -> None:
+    fp = protocol.mixture_fingerprint(["a" * 16, "b" * 16])
+    assert len(fp) == 32 and fp == protocol.mixture_fingerprint(("a" * 16, "b" * 16))
+    assert fp != protocol.mixture_fingerprint(["b" * 16, "a" * 16])
+    assert fp != protocol.mixture_fingerprint(["a" * 16, "c" * 16])
+
+
+def test_source_row_is_a_named_provenance_row() -> None:
+    header, payload = chunk(
+        {
+            protocol.ROW_WINDOW: np.array([5, 6, 7]),
+            protocol.ROW_EPOCH: np.array([0, 0, 1]),
+            protocol.ROW_SOURCE: np.array([2, 0, 1]),
+        }
+    )
+    _, rows = protocol.decode_chunk(header, payload)
+    (source,) = protocol.require_rows(rows, protocol.ROW_SOURCE)
+    assert source.tolist() == [2, 0, 1]

@@ -30,17 +30,64 @@ Fields (``*``: optional, with the default shown; every other field is required)
 hello    dataset: str, seq_len: int, batch_size: int, seed: int, world_size: int, rank: int,
          worker: int, window: int, client: str, fingerprint*: str = "" (when set, the
          dataset the client expects: a server serving another build answers
-         ``dataset_changed`` saying both fingerprints)
+         ``dataset_changed`` saying both fingerprints),
+         sources*: list[str] = [], schedule*: list[list[int]] = [],
+         fingerprints*: list[str] = [] (a mixture, see "Mixtures" below),
+         shuffle*: str = "global", region_windows*: int = 0, block_regions*: int = 0
+         (the order, see "Shuffle" below)
 welcome  server: str, job: str, fingerprint: str, n_tokens: int, n_windows: int, dtype: str,
-         window: int, max_count: int, eos_id: int
+         window: int, max_count: int, eos_id: int,
+         region_windows*: int = 0, block_regions*: int = 0 (a single dataset's block sizes),
+         source_fingerprints*: list[str] = [], source_tokens*: list[int] = [],
+         source_windows*: list[int] = [], source_region_windows*: list[int] = [],
+         source_block_regions*: list[int] = [] (a mixture's sources, in ``sources`` order)
 get      req: int, job: str, rank: int, pos: int, count: int, stride: int,
          consumed*: int = -1 (the trainer's consumed position, see "Progress" below;
          -1: not known)
 chunk    req: int, rows: int, cols: int, dtype: str, provenance: list[str] (names of the
-         provenance rows, in frame order; today ``window`` and ``epoch``)
+         provenance rows, in frame order: ``window`` and ``epoch``, and ``source`` for a
+         mixture)
 err      code: str, message: str, retry: bool, req: int (-1: answers no particular request)
 bye      consumed*: int = -1 (as in ``get``: the last word of a closing connection)
 =======  ====================================================================================
+
+Mixtures
+--------
+A ``hello`` with ``sources`` attaches to a mixture of datasets (see
+:class:`tokenfeed.mixture.Mixture`): ``sources`` are the dataset names in the mixture's
+``names`` order (non-empty, valid names, no duplicates), ``dataset`` is then ``""``, and
+``schedule`` is ``Mixture.to_wire()``: rows ``[start, w_0, ..., w_{n-1}]`` of
+``len(sources) + 1`` non-negative ints (the server decodes them with
+``Mixture.from_wire`` and refuses a bad schedule with ``bad_request``). ``fingerprints``
+is empty or one expected build per source (``""``: none for that source); a source that
+is another build is refused with ``dataset_changed`` naming it. The single-dataset
+``fingerprint`` must be ``""`` in a mixture's hello. Every source must be readable by
+the tenant (a refusal names the source) and all must share one tokenizer.
+
+The ``welcome`` of a mixture carries one entry per source in each ``source_*`` list:
+its build (``source_fingerprints``), tokens, windows of ``seq_len``, and block sizes
+(``source_region_windows``/``source_block_regions``, 0 under ``shuffle="global"``).
+Its ``fingerprint`` is :func:`mixture_fingerprint` of the source fingerprints,
+``n_tokens``/``n_windows`` the sums over the sources, ``dtype``/``eos_id`` the shared
+ones, and ``region_windows``/``block_regions`` 0.
+
+Row ``p`` of the stream comes from source ``s`` at that source's own stream position
+``q`` (``Mixture.locate``); source ``s`` walks its own plan (the job's ``seq_len``,
+``batch_size``, ``world_size``, shuffle, and seed ``mixture.source_seed(seed, name)``),
+so a chunk's ``window`` and ``epoch`` rows are that source's window and source-local
+epoch, and its ``source`` row (:data:`ROW_SOURCE`) the index into ``sources``. A
+single-dataset chunk has no ``source`` row.
+
+Shuffle
+-------
+``shuffle`` is ``"global"`` (a permutation of all windows per epoch; then
+``region_windows`` and ``block_regions`` must be 0) or ``"block"`` (regions of
+``region_windows`` consecutive windows, visited ``block_regions`` regions at a time, see
+:class:`tokenfeed.plan.Plan`). Under ``"block"`` a size of 0 asks the server to derive it
+from the dataset's shards (``default_block_sizes``); the ``welcome`` says the sizes used
+(``region_windows``/``block_regions`` for one dataset, ``source_region_windows``/
+``source_block_regions`` per source of a mixture: each source derives its own), and a
+client resuming a run sends those sizes back so that the order cannot change under it.
 
 Progress
 --------
@@ -92,6 +139,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -112,7 +161,9 @@ __all__ = [
     "MAX_PROVENANCE_ROWS",
     "MAX_STR",
     "ROW_EPOCH",
+    "ROW_SOURCE",
     "ROW_WINDOW",
+    "SHUFFLES",
     "VERSION",
     "Bye",
     "Chunk",
@@ -127,6 +178,7 @@ __all__ = [
     "chunk_frames",
     "decode_chunk",
     "decode_header",
+    "mixture_fingerprint",
     "require_rows",
 ]
 
@@ -145,9 +197,18 @@ MAX_PROVENANCE_ROWS = 16
 #: Integers on the wire are >= -1 and fit int64 (stream positions are int64).
 _MAX_INT = (1 << 63) - 1
 
-#: Provenance row names the server sends today.
+#: Provenance row names the server sends: every chunk has ``window`` and ``epoch``; a
+#: mixture's chunks also ``source`` (the row's index into the hello's ``sources``).
 ROW_WINDOW = "window"
 ROW_EPOCH = "epoch"
+ROW_SOURCE = "source"
+
+#: The orders ``hello.shuffle`` may name (see "Shuffle" above).
+SHUFFLES = ("global", "block")
+
+# A dataset name as the store accepts it (tokenfeed_server.store.reader's rule, checked
+# against it by the tests): the wire refuses a bad source name before any look-up.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 #: The fixed list of error codes an ``err`` may carry (see :mod:`tokenfeed.errors`).
 ERROR_CODES = frozenset(
@@ -169,7 +230,10 @@ ERROR_CODES = frozenset(
 class JobSpec:
     """What a training run registers; every rank and worker of the run sends the same.
 
-    ``dataset`` is the dataset's *name* in the store, as everywhere on the wire.
+    ``dataset`` is the dataset's *name* in the store, as everywhere on the wire; for a
+    mixture it is ``""`` and ``sources``/``schedule`` name the mixture (as in
+    :class:`Hello`). ``shuffle``, ``region_windows`` and ``block_regions`` are the order
+    (the sizes the job uses, once the server derived any left at 0).
     """
 
     dataset: str
@@ -177,6 +241,21 @@ class JobSpec:
     batch_size: int
     seed: int
     world_size: int
+    sources: tuple[str, ...] = ()
+    schedule: tuple[tuple[int, ...], ...] = ()
+    shuffle: str = "global"
+    region_windows: int = 0
+    block_regions: int = 0
+
+    def __post_init__(self) -> None:
+        # Callers pass lists; a spec is hashed and compared, so keep tuples.
+        object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "schedule", tuple(tuple(row) for row in self.schedule))
+
+    @property
+    def is_mixture(self) -> bool:
+        """True for a mixture of ``sources`` (then ``dataset`` is ``""``)."""
+        return bool(self.sources)
 
 
 @dataclass(frozen=True)
@@ -196,6 +275,10 @@ class Message:
         packed: bytes = msgpack.packb(fields)
         return packed
 
+    def check(self) -> None:
+        """Raise ProtocolError if fields that depend on each other disagree (the decoder
+        calls it on every message; field types and bounds are checked before)."""
+
 
 @dataclass(frozen=True)
 class Hello(Message):
@@ -203,6 +286,9 @@ class Hello(Message):
 
     ``fingerprint``, when not empty, is the dataset build the client expects (from a
     checkpoint or an earlier ``welcome``); the server refuses to serve another one.
+    A mixture sets ``sources``, ``schedule`` and optionally ``fingerprints`` instead of
+    ``dataset`` and ``fingerprint`` (see "Mixtures" in the module docstring); ``shuffle``
+    and the block sizes choose the order (see "Shuffle").
     """
 
     TYPE: ClassVar[str] = "hello"
@@ -216,6 +302,67 @@ class Hello(Message):
     window: int
     client: str
     fingerprint: str = ""
+    sources: tuple[str, ...] = ()
+    schedule: tuple[tuple[int, ...], ...] = ()
+    fingerprints: tuple[str, ...] = ()
+    shuffle: str = "global"
+    region_windows: int = 0
+    block_regions: int = 0
+
+    def __post_init__(self) -> None:
+        _tuples(self, "sources", "fingerprints")
+        object.__setattr__(self, "schedule", tuple(tuple(row) for row in self.schedule))
+
+    def check(self) -> None:
+        """Mixture and shuffle fields agree with each other (see the module docstring)."""
+        if self.shuffle not in SHUFFLES:
+            raise ProtocolError(
+                f"hello.shuffle must be one of {list(SHUFFLES)}, got {_brief(self.shuffle)!r}"
+            )
+        if self.region_windows < 0 or self.block_regions < 0:
+            raise ProtocolError("hello.region_windows and hello.block_regions must be >= 0")
+        if self.shuffle == "global" and (self.region_windows or self.block_regions):
+            raise ProtocolError(
+                'hello.region_windows and hello.block_regions apply to shuffle="block" only; '
+                'send 0 with shuffle="global"'
+            )
+        if not self.sources:
+            if self.schedule or self.fingerprints:
+                raise ProtocolError("hello.schedule and hello.fingerprints need hello.sources")
+            return
+        if self.dataset:
+            raise ProtocolError(
+                "a mixture's hello names its datasets in sources; dataset must be empty"
+            )
+        if self.fingerprint:
+            raise ProtocolError(
+                "a mixture's hello sends its expected builds per source in fingerprints; "
+                "fingerprint must be empty"
+            )
+        for name in self.sources:
+            if not _NAME_RE.fullmatch(name) or ".." in name:
+                raise ProtocolError(
+                    f"hello.sources: invalid dataset name {_brief(name)!r}: use 1-128 characters "
+                    "of letters, digits, '.', '_' or '-', starting with a letter or digit, "
+                    "and no '..'"
+                )
+        if len(set(self.sources)) != len(self.sources):
+            twice = sorted({n for n in self.sources if self.sources.count(n) > 1})
+            raise ProtocolError(f"hello.sources names {twice} more than once")
+        if not self.schedule:
+            raise ProtocolError("a mixture's hello needs a schedule (Mixture.to_wire())")
+        width = len(self.sources) + 1
+        for i, row in enumerate(self.schedule):
+            if len(row) != width or min(row) < 0:
+                raise ProtocolError(
+                    f"hello.schedule[{i}] must be [start, one weight per source]: "
+                    f"{width} non-negative integers, got {_brief(list(row))}"
+                )
+        if self.fingerprints and len(self.fingerprints) != len(self.sources):
+            raise ProtocolError(
+                f"hello.fingerprints has {len(self.fingerprints)} entries for "
+                f"{len(self.sources)} sources; send one per source ('' for none) or none"
+            )
 
 
 @dataclass(frozen=True)
@@ -232,6 +379,25 @@ class Welcome(Message):
     window: int
     max_count: int
     eos_id: int
+    region_windows: int = 0
+    block_regions: int = 0
+    source_fingerprints: tuple[str, ...] = ()
+    source_tokens: tuple[int, ...] = ()
+    source_windows: tuple[int, ...] = ()
+    source_region_windows: tuple[int, ...] = ()
+    source_block_regions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _tuples(self, *_SOURCE_FIELDS)
+
+    def check(self) -> None:
+        """The per-source lists are all empty (one dataset) or all of one length."""
+        sizes = {len(getattr(self, name)) for name in _SOURCE_FIELDS}
+        if len(sizes) != 1:
+            raise ProtocolError(
+                "welcome: the source_* lists must have one entry per source each, got "
+                + ", ".join(f"{name}={len(getattr(self, name))}" for name in _SOURCE_FIELDS)
+            )
 
 
 @dataclass(frozen=True)
@@ -302,6 +468,28 @@ class Bye(Message):
 
     TYPE: ClassVar[str] = "bye"
     consumed: int = -1
+
+
+_SOURCE_FIELDS = (
+    "source_fingerprints",
+    "source_tokens",
+    "source_windows",
+    "source_region_windows",
+    "source_block_regions",
+)
+
+
+def mixture_fingerprint(fingerprints: Sequence[str]) -> str:
+    """A mixture's ``welcome.fingerprint``: blake2b-128 hex of its sources' fingerprints
+    (in ``sources`` order) joined by newlines."""
+    joined = "\n".join(fingerprints).encode()
+    return hashlib.blake2b(joined, digest_size=16).hexdigest()
+
+
+def _tuples(msg: Message, *names: str) -> None:
+    """Store list fields as tuples: messages compare equal to what the decoder makes."""
+    for name in names:
+        object.__setattr__(msg, name, tuple(getattr(msg, name)))
 
 
 _REQUIRED = object()
@@ -385,7 +573,9 @@ def decode_header(frame: bytes | memoryview) -> Message:
     for name, hint in hints.items():
         if name in obj:
             obj[name] = _check(f"{cls.TYPE}.{name}", obj[name], hint)
-    return cls(**obj)
+    msg = cls(**obj)
+    msg.check()
+    return msg
 
 
 def _brief(value: object, limit: int = 80) -> str:
