@@ -10,7 +10,7 @@ Shard file ``shard-NNNNNN.bin`` (all integers little-endian)::
 
     offset  size  field
     0       8     magic  b"TKFSHARD"
-    8       4     format version (uint32, = FORMAT_VERSION)
+    8       4     shard format version (uint32, = SHARD_VERSION, 1 in every version)
     12      4     dtype code (uint32: 1 = uint16, 2 = uint32)
     16      8     token count T (uint64)
     24      8     document count D (uint64)
@@ -24,15 +24,48 @@ So a shard's exact size is ``64 + pad8(T*s) + 8*D``, which the reader checks alo
 every header field against the manifest. The checksum in the manifest
 (``blake2b-128:<hex>``) covers every byte after the header; it is computed while
 writing, so writing never reads a shard back.
+
+Versions. The shard file above has not changed since version 1 (its header says 1).
+The *manifest* has a version of its own (``format_version``, :data:`MANIFEST_VERSION`);
+readers accept every version in :data:`MANIFEST_VERSIONS`:
+
+* **1**: the layout above; one checksum per shard.
+* **2** (written since object storage): adds ``piece_bytes`` P (default 1 MiB) and, per
+  shard, ``pieces``: the ``blake2b-128`` hex digest of each piece of the shard *file*,
+  piece ``i`` = file bytes ``[i*P, min((i+1)*P, size))`` (the header included), so a
+  reader that fetches a shard in pieces (from object storage, into a cache) verifies
+  each piece on its own. The writer hashes pieces while writing: the first piece, which
+  holds the header written last, is hashed from a copy of its body kept in memory
+  (at most P bytes). A v2 fingerprint covers the token stream and the tokenizer, not
+  file names nor the piece size, so the same corpus prepared on local disk and
+  published to object storage (where shard names differ) has the same fingerprint.
+
+In object storage a dataset ``NAME`` under ``s3://BUCKET/PREFIX`` is
+``PREFIX/NAME/manifest.json`` (uploaded last: the only entry point) plus its files under
+content-addressed names: shard ``shard-<id>.bin`` with ``<id>`` =
+:func:`shard_content_id` (a hash of P and the piece digests, so of every byte of the
+file), an extra file ``<stem>-<blake2b-128 hex>.<suffix>``. An object that a published
+manifest names is never overwritten (same name = same bytes) and only
+``tokenfeed-server gc`` deletes objects, those no current manifest names.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "CHECKSUM_ALGO",
+    "DEFAULT_PIECE_BYTES",
+    "MANIFEST_VERSION",
+    "MANIFEST_VERSIONS",
+    "MIN_PIECE_BYTES",
+    "SHARD_VERSION",
+    "piece_count",
+    "piece_digest",
+    "shard_content_id",
     "DTYPE_CODES",
     "FORMAT_VERSION",
     "HEADER_SIZE",
@@ -45,7 +78,18 @@ __all__ = [
     "shard_size",
 ]
 
-FORMAT_VERSION: int = 1
+#: The shard header's version (unchanged since version 1).
+SHARD_VERSION: int = 1
+#: The manifest version this tokenfeed writes.
+MANIFEST_VERSION: int = 2
+#: The manifest versions this tokenfeed reads.
+MANIFEST_VERSIONS: tuple[int, ...] = (1, 2)
+#: Older name of :data:`SHARD_VERSION` (the header check of the reader uses it).
+FORMAT_VERSION: int = SHARD_VERSION
+#: The piece size of version-2 manifests unless prepare is told otherwise.
+DEFAULT_PIECE_BYTES = 1 << 20
+#: The smallest piece: the first piece must hold the whole header.
+MIN_PIECE_BYTES = 4096
 MAGIC = b"TKFSHARD"
 HEADER_SIZE = 64
 MANIFEST_NAME = "manifest.json"
@@ -103,3 +147,27 @@ def shard_size(tokens: int, documents: int, itemsize: int) -> int:
 def is_plain_file_name(name: str) -> bool:
     """True for a file name with no directory part (manifests may name only those)."""
     return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name
+
+
+def piece_count(file_size: int, piece_bytes: int) -> int:
+    """How many pieces of ``piece_bytes`` a file of ``file_size`` bytes has (the last may
+    be short; a shard is never empty, it has at least a header)."""
+    return -(-file_size // piece_bytes)
+
+
+def piece_digest(data: bytes | bytearray | memoryview) -> str:
+    """The hex digest of one piece, as a version-2 manifest lists it."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def shard_content_id(piece_bytes: int, pieces: Sequence[str]) -> str:
+    """The content address of a shard file: blake2b-128 of P and its piece digests.
+
+    Equal ids mean equal files (every byte is under some piece digest), so an object
+    store may skip uploading a shard whose name already exists.
+    """
+    h = hashlib.blake2b(digest_size=16, person=b"tkf-shard-v2")
+    h.update(piece_bytes.to_bytes(8, "little"))
+    for digest in pieces:
+        h.update(bytes.fromhex(digest))
+    return h.hexdigest()

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -28,11 +29,14 @@ from tokenfeed.dtypes import DTYPES, dtype_for_vocab
 from tokenfeed.errors import DatasetExists, PrepareError, StoreError
 from tokenfeed_server.store.format import (
     CHECKSUM_ALGO,
+    DEFAULT_PIECE_BYTES,
     DTYPE_CODES,
-    FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
     MANIFEST_NAME,
+    MANIFEST_VERSION,
+    MIN_PIECE_BYTES,
+    SHARD_VERSION,
     TEMP_PREFIX,
     ShardHeader,
     index_offset,
@@ -154,15 +158,54 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
+class _PieceHasher:
+    """The piece digests of a file written front to back, except its header, written last.
+
+    Piece 0 holds the header, known only at the end: the rest of piece 0 is kept (at most
+    ``piece_bytes - HEADER_SIZE`` bytes) and hashed by :meth:`finish` after the header.
+    Every later piece is hashed as its bytes go by: nothing is read back.
+    """
+
+    def __init__(self, piece_bytes: int) -> None:
+        self.piece_bytes = piece_bytes
+        self.first = bytearray()
+        self.digests: list[str] = []
+        self.current: Any = None  # the hasher of the piece being filled (after piece 0)
+        self.offset = HEADER_SIZE  # file offset of the next byte
+
+    def update(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            piece, within = divmod(self.offset, self.piece_bytes)
+            take = min(len(view), self.piece_bytes - within)
+            if piece == 0:
+                self.first += view[:take]
+            else:
+                if within == 0:
+                    if self.current is not None:
+                        self.digests.append(self.current.hexdigest())
+                    self.current = hashlib.blake2b(digest_size=16)
+                self.current.update(view[:take])
+            view = view[take:]
+            self.offset += take
+
+    def finish(self, header: bytes) -> tuple[str, ...]:
+        first = hashlib.blake2b(header, digest_size=16)
+        first.update(self.first)
+        tail = [self.current.hexdigest()] if self.current is not None else []
+        return (first.hexdigest(), *self.digests, *tail)
+
+
 class _ShardFile:
     """One shard being written: body streamed and hashed, header written last."""
 
-    def __init__(self, path: Path, dtype: str) -> None:
+    def __init__(self, path: Path, dtype: str, piece_bytes: int) -> None:
         self.path = path
         self.dtype = dtype
         self.tokens = 0
         self.starts: list[np.ndarray] = []
         self.hasher = hashlib.blake2b(digest_size=16)
+        self.pieces = _PieceHasher(piece_bytes)
         self.file = path.open("wb")
         self.file.write(b"\0" * HEADER_SIZE)
 
@@ -170,6 +213,7 @@ class _ShardFile:
         data = np.ascontiguousarray(tokens).data.cast("B")
         self.file.write(data)
         self.hasher.update(data)
+        self.pieces.update(data)
         if len(starts):
             self.starts.append(starts + self.tokens)
         self.tokens += len(tokens)
@@ -184,8 +228,9 @@ class _ShardFile:
         tail = b"\0" * pad + index.tobytes()
         self.file.write(tail)
         self.hasher.update(tail)
+        self.pieces.update(tail)
         header = ShardHeader(
-            MAGIC, FORMAT_VERSION, DTYPE_CODES[self.dtype], self.tokens, len(index), body_end
+            MAGIC, SHARD_VERSION, DTYPE_CODES[self.dtype], self.tokens, len(index), body_end
         ).pack()
         self.file.seek(0)
         self.file.write(header)
@@ -197,6 +242,7 @@ class _ShardFile:
             tokens=self.tokens,
             documents=len(index),
             checksum=f"{CHECKSUM_ALGO}:{self.hasher.hexdigest()}",
+            pieces=self.pieces.finish(header),
         )
 
     def close(self) -> None:
@@ -209,6 +255,7 @@ class DatasetWriter:
     Everything goes to ``<store>/.tmp-<name>-...``; :meth:`commit` fsyncs and renames it
     into place, :meth:`abort` (or leaving the ``with`` block by an exception) removes it.
     Documents are given *without* EOS: the writer appends ``tokenizer.eos_id`` to each.
+    The manifest is version 2: per shard the checksums of its pieces of ``piece_bytes``.
     """
 
     def __init__(
@@ -221,12 +268,16 @@ class DatasetWriter:
         shard_tokens: int = 1 << 26,
         overwrite: bool = False,
         extra_files: Mapping[str, Path] | None = None,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
     ) -> None:
         self.store = Path(store)
         self.name = validate_dataset_name(name)
         self.final_path = self.store / name
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+        if piece_bytes < MIN_PIECE_BYTES:
+            raise ValueError(f"piece_bytes must be >= {MIN_PIECE_BYTES}, got {piece_bytes}")
+        self.piece_bytes = int(piece_bytes)
         self.tokenizer = tokenizer
         self.shuffle_seed = int(shuffle_seed)
         self.shard_tokens = int(shard_tokens)
@@ -338,7 +389,7 @@ class DatasetWriter:
         while pos < n:
             if self._current is None:
                 shard_path = self.tmp / f"shard-{len(self._shards):06d}.bin"
-                self._current = _ShardFile(shard_path, self.dtype_name)
+                self._current = _ShardFile(shard_path, self.dtype_name, self.piece_bytes)
             take = min(self.shard_tokens - self._current.tokens, n - pos)
             a = int(np.searchsorted(starts, pos, side="left"))
             b = int(np.searchsorted(starts, pos + take, side="left"))
@@ -363,7 +414,7 @@ class DatasetWriter:
                 with (self.tmp / extra).open("rb") as f:
                     os.fsync(f.fileno())
             manifest = Manifest(
-                format_version=FORMAT_VERSION,
+                format_version=MANIFEST_VERSION,
                 name=self.name,
                 dtype=self.dtype_name,
                 tokenizer=self.tokenizer,
@@ -373,6 +424,7 @@ class DatasetWriter:
                 shards=tuple(self._shards),
                 created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 extra_files=tuple(sorted(self.extra_files)),
+                piece_bytes=self.piece_bytes,
             )
             with (self.tmp / MANIFEST_NAME).open("w", encoding="utf-8") as f:
                 f.write(manifest.to_json())
@@ -434,6 +486,7 @@ def write_dataset(
     shard_tokens: int = 1 << 26,
     overwrite: bool = False,
     extra_files: Mapping[str, Path] | None = None,
+    piece_bytes: int = DEFAULT_PIECE_BYTES,
 ) -> Manifest:
     """Write ``documents`` (token arrays without EOS) as dataset ``name``, atomically.
 
@@ -449,6 +502,7 @@ def write_dataset(
         shard_tokens=shard_tokens,
         overwrite=overwrite,
         extra_files=extra_files,
+        piece_bytes=piece_bytes,
     ) as writer:
         for document in documents:
             writer.add(document)
