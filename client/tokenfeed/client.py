@@ -23,7 +23,9 @@ logger; when no progress is made for ``deadline`` seconds it raises the last ref
 The client checks what the server says: a ``welcome`` with impossible values raises
 :class:`~tokenfeed.errors.ProtocolError`, and a dataset build other than the expected one
 (``fingerprint``: from a checkpoint, or the first ``welcome``) raises
-:class:`~tokenfeed.errors.DatasetChanged`.
+:class:`~tokenfeed.errors.DatasetChanged`. For a mixture the builds are pinned per source
+(``source_fingerprints``): the error names the source that changed, and a source a new
+schedule adds is pinned at its first ``welcome``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +99,8 @@ class Answer:
     tokens: np.ndarray
     window_ids: np.ndarray
     epochs: np.ndarray
+    #: for a mixture, each row's source (an index into the job's ``sources``); else None
+    sources: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,10 @@ class FeedClient:
         options: timeouts, window and credentials.
         fingerprint: the dataset build this client must read (from a checkpoint), or
             None to take the build of the first ``welcome``; a server with another build
-            is refused with :class:`~tokenfeed.errors.DatasetChanged`.
+            is refused with :class:`~tokenfeed.errors.DatasetChanged`. Not used for a
+            mixture (its combined build changes when a later segment adds a source).
+        source_fingerprints: for a mixture, the build each source must be (name to
+            fingerprint; sources not named are pinned at the first ``welcome``).
         consumed: returns the trainer's consumed stream position, put on every ``get``
             and on the ``bye`` (see :mod:`tokenfeed.consumed`); None: not known.
         stop: when set (by another thread), every wait of ``hello`` and ``stream``
@@ -184,6 +191,7 @@ class FeedClient:
         slot: int | None = None,
         options: ClientOptions | None = None,
         fingerprint: str | None = None,
+        source_fingerprints: Mapping[str, str] | None = None,
         consumed: Callable[[], int] | None = None,
         stop: threading.Event | None = None,
     ) -> None:
@@ -197,9 +205,15 @@ class FeedClient:
         self.worker = worker
         self.options = options or ClientOptions()
         self.welcome: protocol.Welcome | None = None
+        #: True for a mixture job (builds are pinned per source, not as one)
+        self.mixture = bool(job.sources)
         #: the dataset build this client reads; None until the first welcome
-        self.fingerprint = fingerprint or None
+        self.fingerprint = None if self.mixture else fingerprint or None
         self._fingerprint_given = self.fingerprint is not None
+        #: a mixture's build per source name: given (from a checkpoint), then every
+        #: source's build from the first welcome
+        self.source_fingerprints: dict[str, str] = dict(source_fingerprints or {})
+        self._sources_given = frozenset(self.source_fingerprints)
         self._consumed = consumed
         self._stop = stop
         # Set by _check_handshake when the connection in use closed during the handshake
@@ -344,6 +358,12 @@ class FeedClient:
             window=opts.window,
             client=self._name,
             fingerprint=self.fingerprint or "",
+            sources=self.job.sources,
+            schedule=self.job.schedule,
+            fingerprints=tuple(self.source_fingerprints.get(s, "") for s in self.job.sources),
+            shuffle=self.job.shuffle,
+            region_windows=self.job.region_windows,
+            block_regions=self.job.block_regions,
         )
         wait = min(1.0, opts.request_timeout)
         backoff = Backoff(cap=min(2.0, opts.request_timeout))
@@ -443,12 +463,36 @@ class FeedClient:
 
     def _accept(self, welcome: protocol.Welcome) -> protocol.Welcome:
         self._check_welcome(welcome)
-        if self.fingerprint is not None and welcome.fingerprint != self.fingerprint:
+        if self.mixture:
+            served = dict(zip(self.job.sources, welcome.source_fingerprints, strict=True))
+            for name, expected in self.source_fingerprints.items():
+                if name in served and served[name] != expected:
+                    self._close_socket()
+                    raise DatasetChanged(self._source_changed(name, expected, served[name]))
+            self.source_fingerprints.update(served)
+        elif self.fingerprint is not None and welcome.fingerprint != self.fingerprint:
             self._close_socket()
             raise DatasetChanged(self._changed(welcome.fingerprint))
         self.fingerprint = welcome.fingerprint
         self.welcome = welcome
         return welcome
+
+    def _source_changed(self, name: str, expected: str, served: str | None) -> str:
+        """What a DatasetChanged says for a mixture: which source, both builds, what to do."""
+        now = f"the server has {served}" if served else "the server has another build"
+        if name in self._sources_given:
+            return (
+                f"source {name!r} of this mixture on {self.endpoint} is not the build this "
+                f"job reads (expected fingerprint {expected}, {now}): it was prepared "
+                "again, and reading it would train on different data. Restore the old "
+                "dataset, or start over on purpose: drop the loader state (a new run "
+                "from position 0)"
+            )
+        return (
+            f"source {name!r} of this mixture on {self.endpoint} was replaced while this "
+            f"job was reading it (expected fingerprint {expected}, {now}); going on "
+            "would mix two builds. Start a new run (or restore the old dataset)"
+        )
 
     def _changed(self, served: str | None) -> str:
         """What a DatasetChanged says: which build was expected, which is served, what to do."""
@@ -492,6 +536,25 @@ class FeedClient:
         for name in ("job", "fingerprint", "server"):
             if not getattr(welcome, name):
                 problems.append(f"{name} is empty")
+        if self.mixture:
+            n = len(self.job.sources)
+            got = welcome.source_fingerprints
+            if len(got) != n or not all(got):
+                problems.append(
+                    f"source_fingerprints={list(got)} (must be {n} non-empty builds, one "
+                    f"per source of {list(self.job.sources)})"
+                )
+        if self.job.shuffle == "block":
+            sizes = (
+                welcome.source_region_windows + welcome.source_block_regions
+                if self.mixture
+                else (welcome.region_windows, welcome.block_regions)
+            )
+            if not sizes or min(sizes) < 1:
+                problems.append(
+                    f"block sizes {list(sizes)} (a block shuffle needs every region_windows "
+                    "and block_regions >= 1)"
+                )
         if problems:
             self._close_socket()
             raise ProtocolError(
@@ -522,6 +585,13 @@ class FeedClient:
         return protocol.decode_header(frames[0].buffer), frames[1:]
 
     def _error(self, err: protocol.Err) -> ServerError:
+        if err.code == DatasetChanged.code and self.mixture and self.source_fingerprints:
+            # The server names the source that changed; say what to do about it.
+            return DatasetChanged(
+                f"{err.message} (server {self.endpoint}). A source of this mixture is not "
+                "the build this job reads: restore it, or start over on purpose: drop the "
+                "loader state (a new run from position 0)"
+            )
         if err.code == DatasetChanged.code and self.fingerprint is not None:
             return DatasetChanged(f"{self._changed(None)} [server: {err.message}]")
         return ServerError.from_code(
@@ -617,4 +687,15 @@ class FeedClient:
                 f"chunk for {req} has shape {tokens.shape}, expected "
                 f"({n_rows}, {self.job.seq_len + 1})"
             )
-        return Answer(req, tokens, window_ids, epochs)
+        sources = None
+        if self.mixture:
+            (sources,) = protocol.require_rows(rows, protocol.ROW_SOURCE)
+            # A row labelled with a source that does not exist would be silently
+            # mislabelled downstream: refuse it here (two reductions per chunk).
+            if n_rows and not 0 <= int(sources.min()) <= int(sources.max()) < len(self.job.sources):
+                raise ProtocolError(
+                    f"chunk for {req} labels rows with sources outside "
+                    f"[0, {len(self.job.sources)}); install matching versions of tokenfeed "
+                    "and tokenfeed-server, or report a server bug"
+                )
+        return Answer(req, tokens, window_ids, epochs, sources)
