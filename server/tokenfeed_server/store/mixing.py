@@ -1,0 +1,301 @@
+"""What one job reads: one dataset, or a mixture of several (issue 13), and its rows.
+
+A job's :class:`Feed` holds one :class:`Source` per dataset it reads (a single-dataset
+job has exactly one): the open :class:`~tokenfeed_server.store.reader.Dataset` and the
+source's own :class:`~tokenfeed.plan.Plan`. A mixture adds its
+:class:`~tokenfeed.mixture.Mixture`, which maps every global stream position to a source
+and to that source's own stream position; the source's plan then maps that position to
+a window and a source-local epoch exactly as for a job of that dataset alone (seeded by
+:func:`~tokenfeed.mixture.source_seed`, so a source's order depends on its name and the
+job's seed, never on its index).
+
+Serving stays a pure function of the request: :meth:`Feed.assemble` computes a
+request's rows from (rank, position, count, stride) alone, so any server instance
+answers a re-sent request with the same rows.
+
+:func:`open_feed` builds a feed from a ``hello`` and the datasets it names, with the
+checks a mixture needs: every source the expected build, one tokenizer for all, a valid
+schedule, block sizes derived per source when the hello leaves them at 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokenfeed import protocol
+from tokenfeed.errors import ConfigError, DatasetChanged, PlanError, RequestRejected
+from tokenfeed.mixture import Mixture, source_seed
+from tokenfeed.plan import Plan, default_block_sizes
+from tokenfeed_server.store.reader import Dataset
+from tokenfeed_server.store.serving import _row_buffers, _window_blocks, assemble
+
+__all__ = ["Feed", "Source", "open_feed"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset a job reads, with the job's plan over it."""
+
+    name: str
+    dataset: Dataset
+    plan: Plan
+
+
+@dataclass(frozen=True, eq=False)
+class Feed:
+    """The datasets one job reads and how its stream maps onto them.
+
+    ``mixture`` is None for a single-dataset job (then ``sources`` has one entry and the
+    job's stream is that source's plan); else ``sources`` follow ``mixture.names``.
+    """
+
+    sources: tuple[Source, ...]
+    mixture: Mixture | None = None
+
+    @property
+    def is_mixture(self) -> bool:
+        """True when the job reads a mixture of datasets."""
+        return self.mixture is not None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The sources' dataset names (a mixture's in ``Mixture.names`` order)."""
+        return tuple(s.name for s in self.sources)
+
+    @property
+    def label(self) -> str:
+        """A human name for logs and labels: the dataset, or a mixture's joined by ``+``
+        (never a dataset name: ``+`` is not allowed in one)."""
+        return "+".join(self.names)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """The build: the dataset's fingerprint, or a mixture's
+        :func:`~tokenfeed.protocol.mixture_fingerprint` of its sources'."""
+        if self.mixture is None:
+            return self.sources[0].dataset.fingerprint
+        return protocol.mixture_fingerprint([s.dataset.fingerprint for s in self.sources])
+
+    @property
+    def first(self) -> Source:
+        """The first source (a single-dataset job's only one)."""
+        return self.sources[0]
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of all sources together."""
+        return sum(s.dataset.n_tokens for s in self.sources)
+
+    @property
+    def n_windows(self) -> int:
+        """Windows of one epoch of every source together (a mixture's nominal epoch)."""
+        return sum(s.plan.n_windows for s in self.sources)
+
+    @property
+    def global_batch(self) -> int:
+        """Stream positions per global step (the same in every source's plan)."""
+        return self.first.plan.global_batch
+
+    def source_positions(self, position: int) -> list[int]:
+        """Each source's own stream position at stream ``position``: the rows it got in
+        ``[0, position)`` (what to hand its plan, e.g. for ``Plan.block_spans``)."""
+        if self.mixture is None:
+            return [position]
+        return self.mixture.counts(position)
+
+    def describe(self, position: int, consumed: int) -> dict[str, Any]:
+        """What /v1/jobs shows of the feed at served ``position`` and ``consumed``
+        position (-1: none reported): the shuffle, and for a mixture its sources, schedule
+        and per source the rows served and consumed and the source-local epochs."""
+        first = self.first.plan
+        view: dict[str, Any] = {
+            "shuffle": first.shuffle,
+            "region_windows": 0 if self.mixture else first.region_windows,
+            "block_regions": 0 if self.mixture else first.block_regions,
+            "sources": None,
+            "schedule": None,
+            "source_progress": None,
+        }
+        if self.mixture is None:
+            return view
+        served = self.mixture.counts(position)
+        taken = self.mixture.counts(consumed) if consumed >= 0 else None
+        view["sources"] = list(self.names)
+        view["schedule"] = [
+            {"start": start, "weights": weights} for start, weights in self.mixture.schedule
+        ]
+        view["source_progress"] = [
+            {
+                "name": src.name,
+                "fingerprint": src.dataset.fingerprint,
+                "epoch_windows": src.plan.n_windows,
+                "region_windows": src.plan.region_windows,
+                "block_regions": src.plan.block_regions,
+                "rows_served": served[s],
+                "epoch": served[s] // src.plan.n_windows,
+                "consumed_rows": taken[s] if taken is not None else None,
+                "consumed_epoch": taken[s] // src.plan.n_windows if taken is not None else None,
+            }
+            for s, src in enumerate(self.sources)
+        ]
+        return view
+
+    def assemble(
+        self, rank: int, pos: int, *, count: int, stride: int
+    ) -> tuple[np.ndarray, dict[str, IntArray]]:
+        """Rows of one request: tokens ``[count*B, L+1]`` and the named provenance rows
+        (``window``, ``epoch``, and ``source`` for a mixture), ``[count*B]`` each.
+
+        A shard that cannot be read raises the reader's StoreError naming its dataset.
+        """
+        if self.mixture is None:
+            src = self.first
+            tokens, window_ids, epochs = assemble(
+                src.dataset, src.plan, rank, pos, count=count, stride=stride
+            )
+            return tokens, {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs}
+        return _assemble_mixture(self.sources, self.mixture, rank, pos, count=count, stride=stride)
+
+
+def _assemble_mixture(
+    sources: tuple[Source, ...], mixture: Mixture, rank: int, pos: int, *, count: int, stride: int
+) -> tuple[np.ndarray, dict[str, IntArray]]:
+    # Positions do not depend on a plan's dataset (only batch, world and stride), so the
+    # first source's plan gives the request's stream positions for all.
+    plan = sources[0].plan
+    positions = plan.rank_positions(rank, pos, count, stride)
+    which, spos = mixture.locate(positions)
+    n = positions.size
+    length = plan.seq_len + 1
+    dtype = sources[0].dataset.dtype
+    out, out_rows = _row_buffers.take_rows((n, length), dtype)
+    window_ids = np.empty(n, dtype=np.int64)
+    epochs = np.empty(n, dtype=np.int64)
+    for s, src in enumerate(sources):
+        picked = np.flatnonzero(which == s)
+        if picked.size == 0:
+            continue
+        # A source's positions in a request are increasing (each is the count of earlier
+        # rows of that source), as the window blocks need, and mostly consecutive.
+        ids, eps = _window_blocks.windows(src.plan, spos[picked])
+        starts = src.plan.token_starts(ids)
+        if picked.size == n:  # the whole request from one source: straight into out
+            window_ids, epochs = ids, eps
+            src.dataset.gather(starts, length, out=out, rows=out_rows)
+            continue
+        window_ids[picked] = ids
+        epochs[picked] = eps
+        # Dataset.gather writes rows that cross a shard boundary (and a retried read)
+        # through ``out``'s memory, so its ``out`` must be exactly these rows: gather
+        # into a pooled scratch buffer, then place the rows (one copy of this source's
+        # rows; pread straight into out's row views would need gather to write every
+        # row through ``rows``).
+        part, part_rows = _row_buffers.take_rows((picked.size, length), dtype)
+        src.dataset.gather(starts, length, out=part, rows=part_rows)
+        out[picked] = part
+    rows = {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs, protocol.ROW_SOURCE: which}
+    return out, rows
+
+
+# -- building a feed from a hello ---------------------------------------------------------
+
+
+def open_feed(datasets: Sequence[Dataset], msg: protocol.Hello) -> Feed:
+    """The feed of ``msg`` over ``datasets`` (the opened ``msg.sources``, or the one
+    ``msg.dataset``), checked.
+
+    Raises DatasetChanged naming a source that is not the build the hello expects,
+    RequestRejected for sources of different tokenizers or a bad schedule, PlanError
+    for plan inputs a source cannot take (naming the source).
+    """
+    names = msg.sources or (msg.dataset,)
+    if len(datasets) != len(names):
+        raise ValueError(f"{len(datasets)} datasets for sources {list(names)}")
+    if msg.sources:
+        expected = msg.fingerprints or ("",) * len(names)
+        for name, ds, fp in zip(names, datasets, expected, strict=True):
+            _check_build(ds, fp, f"mixture source {name!r}")
+        _check_one_tokenizer(names, datasets)
+        try:
+            mixture: Mixture | None = Mixture.from_wire(names, msg.schedule)
+        except ConfigError as exc:  # PlanError too: both are the client's input
+            raise RequestRejected(f"bad mixture schedule: {exc}") from None
+    else:
+        _check_build(datasets[0], msg.fingerprint, f"dataset {msg.dataset!r}")
+        mixture = None
+    sources = []
+    for name, ds in zip(names, datasets, strict=True):
+        seed = source_seed(msg.seed, name) if mixture is not None else msg.seed
+        try:
+            plan = _plan(ds, msg, seed)
+        except PlanError as exc:
+            if mixture is None:
+                raise
+            raise PlanError(f"mixture source {name!r}: {exc}") from None
+        sources.append(Source(name, ds, plan))
+    return Feed(tuple(sources), mixture)
+
+
+def _plan(ds: Dataset, msg: protocol.Hello, seed: int) -> Plan:
+    region_windows, block_regions = msg.region_windows, msg.block_regions
+    if msg.shuffle == "block" and not (region_windows and block_regions):
+        # Derived from the dataset alone (its shards and seq_len), never from this
+        # server's cache, so every server derives the same order for the same build.
+        shards = [shard.tokens for shard in ds.manifest.shards]
+        derived = default_block_sizes(shards, msg.seq_len)
+        region_windows = region_windows or derived[0]
+        block_regions = block_regions or derived[1]
+    return Plan(
+        n_tokens=ds.n_tokens,
+        seq_len=msg.seq_len,
+        batch_size=msg.batch_size,
+        world_size=msg.world_size,
+        seed=seed,
+        shuffle=msg.shuffle,
+        region_windows=region_windows,
+        block_regions=block_regions,
+    )
+
+
+def _check_build(ds: Dataset, expected: str, what: str) -> None:
+    if expected and expected != ds.fingerprint:
+        raise DatasetChanged(
+            f"{what} on this server is build {ds.fingerprint}, but this job expects build "
+            f"{expected} (it was rebuilt since, e.g. by prepare --overwrite): continuing "
+            "would train on different data. Restore that build, or start over on purpose "
+            "from a fresh state (no checkpointed loader state)"
+        )
+
+
+def _tokenizer_identity(ds: Dataset) -> dict[str, Any]:
+    t = ds.manifest.tokenizer
+    return {
+        "kind": t.kind,
+        "vocab_size": t.vocab_size,
+        "eos_id": t.eos_id,
+        "tokenizer file hash": t.file_hash,
+        "dtype": ds.manifest.dtype,
+    }
+
+
+def _check_one_tokenizer(names: Sequence[str], datasets: Sequence[Dataset]) -> None:
+    """Token ids mean the same text in every source, else RequestRejected naming two."""
+    first = _tokenizer_identity(datasets[0])
+    for name, ds in zip(names[1:], datasets[1:], strict=True):
+        other = _tokenizer_identity(ds)
+        differ = [f"{k} {first[k]!r} vs {other[k]!r}" for k in first if first[k] != other[k]]
+        if differ:
+            raise RequestRejected(
+                f"mixture sources {names[0]!r} and {name!r} were prepared with different "
+                f"tokenizers ({'; '.join(differ)}): the same token id would mean different "
+                "text. Prepare every source with one tokenizer, e.g. `tokenfeed-server "
+                f"prepare ... --tokenizer` pointing at {names[0]!r}'s tokenizer.json"
+            )
