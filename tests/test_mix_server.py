@@ -288,6 +288,11 @@ def test_a_changed_source_is_refused_naming_it(wire: Wire, opened: dict[str, Dat
     err = wire.refusal(**mixture_hello(fingerprints=stale))
     assert err.code == "dataset_changed"
     assert "mixture source 'code'" in err.message and fps[1] in err.message
+    # the whole build, as a welcome names it (a client reconnecting)
+    whole = protocol.mixture_fingerprint(fps)
+    assert isinstance(wire.hello(**mixture_hello(fingerprint=whole)), protocol.Welcome)
+    err = wire.refusal(**mixture_hello(fingerprint="0" * 32))
+    assert err.code == "dataset_changed" and whole in err.message
 
 
 def test_bad_schedules_and_unknown_sources_are_refused(wire: Wire) -> None:

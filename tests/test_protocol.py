@@ -297,7 +297,6 @@ def test_lists_are_accepted_and_compare_equal_to_what_is_decoded() -> None:
     ("change", "match"),
     [
         ({"dataset": "web"}, "dataset must be empty"),
-        ({"fingerprint": "f" * 16}, "fingerprints; fingerprint must be empty"),
         ({"sources": ["web", "bad/name", "math"]}, "invalid dataset name 'bad/name'"),
         ({"sources": ["web", "..x", "math"]}, "invalid dataset name"),
         ({"sources": ["web", "code", "web"]}, r"names \['web'\] more than once"),

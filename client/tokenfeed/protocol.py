@@ -60,9 +60,11 @@ A ``hello`` with ``sources`` attaches to a mixture of datasets (see
 ``len(sources) + 1`` non-negative ints (the server decodes them with
 ``Mixture.from_wire`` and refuses a bad schedule with ``bad_request``). ``fingerprints``
 is empty or one expected build per source (``""``: none for that source); a source that
-is another build is refused with ``dataset_changed`` naming it. The single-dataset
-``fingerprint`` must be ``""`` in a mixture's hello. Every source must be readable by
-the tenant (a refusal names the source) and all must share one tokenizer.
+is another build is refused with ``dataset_changed`` naming it. A mixture's
+``fingerprint``, when set, is the whole build the client expects (the ``welcome``'s
+:func:`mixture_fingerprint`, e.g. on a reconnect), refused with ``dataset_changed``
+when it differs. Every source must be readable by the tenant (a refusal names the
+source) and all must share one tokenizer.
 
 The ``welcome`` of a mixture carries one entry per source in each ``source_*`` list:
 its build (``source_fingerprints``), tokens, windows of ``seq_len``, and block sizes
@@ -333,11 +335,6 @@ class Hello(Message):
         if self.dataset:
             raise ProtocolError(
                 "a mixture's hello names its datasets in sources; dataset must be empty"
-            )
-        if self.fingerprint:
-            raise ProtocolError(
-                "a mixture's hello sends its expected builds per source in fingerprints; "
-                "fingerprint must be empty"
             )
         for name in self.sources:
             if not _NAME_RE.fullmatch(name) or ".." in name:

@@ -224,6 +224,14 @@ def open_feed(datasets: Sequence[Dataset], msg: protocol.Hello) -> Feed:
         for name, ds, fp in zip(names, datasets, expected, strict=True):
             _check_build(ds, fp, f"mixture source {name!r}")
         _check_one_tokenizer(names, datasets)
+        if msg.fingerprint:  # the whole build, as a welcome said it (a reconnect)
+            whole = protocol.mixture_fingerprint([ds.fingerprint for ds in datasets])
+            if msg.fingerprint != whole:
+                raise DatasetChanged(
+                    f"the mixture of {list(names)} on this server is build {whole}, but this "
+                    f"job expects build {msg.fingerprint}: a source was rebuilt since. "
+                    "Restore its build, or start over on purpose from a fresh state"
+                )
         try:
             mixture: Mixture | None = Mixture.from_wire(names, msg.schedule)
         except ConfigError as exc:  # PlanError too: both are the client's input
