@@ -22,6 +22,7 @@ from typing import IO
 import uvicorn
 import zmq
 
+from tokenfeed.errors import ConfigError
 from tokenfeed_server import security
 from tokenfeed_server.api import ServerState, create_app
 from tokenfeed_server.auth import Tenants
@@ -39,7 +40,7 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     tenants = security.tenants_for(config)
     with contextlib.ExitStack() as cleanup:
         # Undone in reverse on every way out, a failed bind included.
-        store = Store(config.store, verify_checksums=config.verify_checksums)
+        store = _open_store(config, cleanup)
         cleanup.callback(store.close)
         store.open_all()
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -77,6 +78,49 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
             ready_stream=ready_stream,
         )
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open_store(config: ServerConfig, cleanup: contextlib.ExitStack) -> Store:
+    """The Store of ``config.store``: a directory, or ``s3://`` read through a piece cache
+    (which then needs --cache-dir and --cache-size: ConfigError otherwise)."""
+    from tokenfeed_server.store.objects import S3Location, parse_store
+
+    location = parse_store(config.store)
+    if not isinstance(location, S3Location):
+        return Store(location, verify_checksums=config.verify_checksums)
+    missing = [
+        flag
+        for flag, value in (("--cache-dir", config.cache_dir), ("--cache-size", config.cache_size))
+        if value is None
+    ]
+    if missing:
+        raise ConfigError(
+            f"store {location.url()} is in object storage: serving it needs "
+            f"{' and '.join(missing)} (a local directory for verified pieces, and the most "
+            "bytes it may hold, e.g. --cache-dir /var/cache/tokenfeed --cache-size 50GiB; "
+            "or TOKENFEED_CACHE_DIR / TOKENFEED_CACHE_SIZE)"
+        )
+    assert config.cache_dir is not None and config.cache_size is not None
+    from tokenfeed_server.store.cache import PieceCache
+    from tokenfeed_server.store.objects import ObjectStore
+
+    objects = ObjectStore(location)
+    cache = PieceCache(config.cache_dir, config.cache_size, objects)
+    # Closed after the store (callbacks run in reverse): no fetch outlives the server.
+    cleanup.callback(cache.close)
+    log.info(
+        "serving %s through the piece cache %s (%d bytes)",
+        location.url(),
+        config.cache_dir,
+        config.cache_size,
+    )
+    return Store(
+        location,
+        verify_checksums=False,  # every piece is verified as it enters the cache
+        scan_interval_s=config.remote_scan_interval_s,
+        objects=objects,
+        cache=cache,
+    )
 
 
 def _serve_http(

@@ -7,11 +7,12 @@ import hashlib
 import itertools
 import os
 import re
+import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +39,20 @@ from tokenfeed_server.store.format import (
 )
 from tokenfeed_server.store.manifest import Manifest, ShardInfo
 
-__all__ = ["Dataset", "list_datasets", "open_dataset", "validate_dataset_name"]
+if TYPE_CHECKING:
+    from tokenfeed_server.store.cache import PieceCache, PieceRef, Waiter
+    from tokenfeed_server.store.objects import ObjectStore
+
+__all__ = [
+    "Dataset",
+    "RemoteDataset",
+    "list_datasets",
+    "list_remote_datasets",
+    "open_dataset",
+    "open_remote_dataset",
+    "read_blocking",
+    "validate_dataset_name",
+]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HASH_CHUNK = 1 << 24
@@ -473,3 +487,362 @@ def list_datasets(store: str | os.PathLike[str]) -> list[str]:
         if complete:
             names.append(entry.name)
     return sorted(names)
+
+
+# ------------------------------------------------------------------------ remote datasets
+
+
+class RemoteDataset(Dataset):
+    """A dataset in object storage, read through a :class:`~tokenfeed_server.store.cache.
+    PieceCache`: the same reading API as :class:`Dataset`, so the serving code is the same.
+
+    Every read first checks that the pieces it needs are in the cache; if one is not, it
+    raises :class:`~tokenfeed_server.store.cache.NotResident` before reading anything (the
+    missing pieces are then on their way). Reads take the cache's lock, so no piece is
+    evicted while being read. Every byte read was verified against the manifest's piece
+    digest when it entered the cache.
+    """
+
+    def __init__(
+        self, name: str, manifest: Manifest, objects: ObjectStore, cache: PieceCache
+    ) -> None:
+        super().__init__(name, Path(name), manifest)
+        self.objects = objects
+        self.cache = cache
+        self.url = objects.url(name)
+        self._closed = False
+        from tokenfeed_server.store.cache import PieceRef
+
+        piece = manifest.piece_bytes
+        self.piece_bytes = piece
+        itemsize = self.dtype.itemsize
+        refs: list[PieceRef] = []
+        piece_base = [0]
+        for shard in manifest.shards:
+            key = f"{name}/{shard.name}"
+            url = objects.url(key)
+            size = shard.file_size(itemsize)
+            for i, digest in enumerate(shard.pieces):
+                start = i * piece
+                refs.append(PieceRef(digest, key, start, min(start + piece, size), url))
+            piece_base.append(len(refs))
+        #: Every piece of the dataset, shard by shard: the global piece ids index it.
+        self.pieces: tuple[PieceRef, ...] = tuple(refs)
+        self._piece_base = np.asarray(piece_base, dtype=np.int64)
+        self._piece_base_list = piece_base
+        #: Bytes of every shard file (what the whole dataset takes in a cache).
+        self.nbytes = sum(r.size for r in refs)
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteDataset({self.url!r}, tokens={self.n_tokens}, "
+            f"shards={len(self.manifest.shards)}, pieces={len(self.pieces)})"
+        )
+
+    # -- which pieces -------------------------------------------------------------------
+
+    def piece_range(self, start: int, stop: int) -> tuple[int, int]:
+        """Global piece ids ``[first, last)`` holding the tokens ``[start, stop)`` (for the
+        prefetch plan; the document index at the end of a shard is not included)."""
+        start, stop = max(0, int(start)), min(self.n_tokens, int(stop))
+        if stop <= start:
+            return 0, 0
+        first = self._piece_of(start)
+        last = self._piece_of(stop - 1) + 1
+        return first, last
+
+    def _piece_of(self, token: int) -> int:
+        k = int(np.searchsorted(self._bounds, token, side="right")) - 1
+        offset = HEADER_SIZE + (token - self._bounds_list[k]) * self.dtype.itemsize
+        return self._piece_base_list[k] + offset // self.piece_bytes
+
+    def _span_pieces(self, k: int, offset: int, nbytes: int) -> range:
+        """Global piece ids of file bytes ``[offset, offset + nbytes)`` of shard ``k``."""
+        base = self._piece_base_list[k]
+        p = self.piece_bytes
+        return range(base + offset // p, base + (offset + nbytes - 1) // p + 1)
+
+    def _file_spans(self, start: int, nbytes: int) -> Iterator[tuple[int, int, int]]:
+        """(shard, file offset, bytes) of the token bytes from stream offset ``start``."""
+        itemsize = self.dtype.itemsize
+        k = int(np.searchsorted(self._bounds, start, side="right")) - 1
+        pos, left = start, nbytes
+        while left > 0:
+            base, end = self._bounds_list[k], self._bounds_list[k + 1]
+            take = min(left, (end - pos) * itemsize)
+            yield k, HEADER_SIZE + (pos - base) * itemsize, take
+            left -= take
+            pos += take // itemsize
+            k += 1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"dataset {self.name!r} is closed")
+
+    # -- reads --------------------------------------------------------------------------
+
+    def _read_file(self, buf: memoryview, k: int, offset: int, fds: dict[int, int]) -> None:
+        """Fill ``buf`` from shard ``k``'s file bytes at ``offset``, piece by piece."""
+        p = self.piece_bytes
+        base = self._piece_base_list[k]
+        done, n = 0, len(buf)
+        while done < n:
+            i = (offset + done) // p
+            inner = offset + done - i * p
+            take = min(n - done, p - inner)
+            self._pread_piece(fds[base + i], buf[done : done + take], inner, base + i)
+            done += take
+
+    def _pread_piece(self, fd: int, buf: memoryview, offset: int, gid: int) -> None:
+        try:
+            got = os.preadv(fd, [buf], offset)
+        except OSError as exc:
+            raise self._cache_error(gid, exc.strerror or str(exc)) from None
+        if got != len(buf):
+            raise self._cache_error(gid, f"read {got} of {len(buf)} bytes at {offset}")
+
+    def _cache_error(self, gid: int, what: str) -> StoreError:
+        return StoreError(
+            f"dataset {self.name!r}: the cached piece {self.pieces[gid].digest} of "
+            f"{self.pieces[gid].url} cannot be read ({what}): something changed the cache "
+            f"directory {self.cache.directory}; restart the server"
+        )
+
+    def _acquire(self, gids: Iterable[int]) -> dict[int, int]:
+        """gid -> descriptor of every piece (cache lock held by the caller)."""
+        ids = sorted(set(gids))
+        fds = self.cache.acquire_locked([self.pieces[g] for g in ids])
+        return dict(zip(ids, fds, strict=True))
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the stream (NotResident if pieces are missing)."""
+        start, stop = int(start), int(stop)
+        self._check_range(start, stop)
+        self._check_open()
+        out = np.empty(stop - start, dtype=self.dtype)
+        if stop == start:
+            return out
+        buf = out.data.cast("B")
+        spans = list(self._file_spans(start, len(buf)))
+        with self.cache.lock:
+            fds = self._acquire(g for k, off, n in spans for g in self._span_pieces(k, off, n))
+            done = 0
+            for k, off, n in spans:
+                self._read_file(buf[done : done + n], k, off, fds)
+                done += n
+        return out
+
+    def gather(
+        self,
+        starts: npt.ArrayLike,
+        length: int,
+        out: np.ndarray | None = None,
+        *,
+        rows: Sequence[tuple[memoryview]] | None = None,
+    ) -> np.ndarray:
+        """Rows ``out[i] = stream[starts[i] : starts[i] + length]``, as
+        :meth:`Dataset.gather`, from the cache (NotResident, nothing read, if pieces are
+        missing)."""
+        starts_arr = np.asarray(starts, dtype=np.int64).reshape(-1)
+        length = int(length)
+        n = len(starts_arr)
+        if out is None:
+            out = np.empty((n, length), dtype=self.dtype)
+        elif out.shape != (n, length) or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(
+                f"out has shape {out.shape} and dtype {out.dtype}; expected a C-contiguous "
+                f"{(n, length)} array of {self.dtype}"
+            )
+        if n == 0 or length == 0:
+            return out
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        lo, hi = int(starts_arr.min()), int(starts_arr.max())
+        if lo < 0 or hi + length > self.n_tokens:
+            bad = lo if lo < 0 else hi
+            raise IndexError(
+                f"window [{bad}, {bad + length}) is outside dataset {self.name!r} "
+                f"of {self.n_tokens} tokens"
+            )
+        self._check_open()
+        if rows is not None and len(rows) != n:
+            raise ValueError(f"rows has {len(rows)} rows, out {n}")
+        itemsize = self.dtype.itemsize
+        row = length * itemsize
+        p = self.piece_bytes
+        first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
+        last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
+        offsets = (starts_arr - self._bounds[first]) * itemsize + HEADER_SIZE
+        g0 = self._piece_base[first] + offsets // p
+        g1 = self._piece_base[first] + (offsets + row - 1) // p
+        # Rows in one piece of one shard (nearly all when rows are small next to pieces)
+        # are read in one pread each, in C; the others piece by piece.
+        simple = (first == last) & (g0 == g1)
+        others = np.flatnonzero(~simple).tolist()
+        needed = [g0]
+        slow_spans: list[list[tuple[int, int, int]]] = []
+        for i in others:
+            spans = list(self._file_spans(int(starts_arr[i]), row))
+            slow_spans.append(spans)
+            needed.append(
+                np.asarray(
+                    [g for k, off, nb in spans for g in self._span_pieces(k, off, nb)],
+                    dtype=np.int64,
+                )
+            )
+        ids = np.unique(np.concatenate(needed))
+        buf = out.data.cast("B")
+        with self.cache.lock:
+            fd_list = self.cache.acquire_locked([self.pieces[g] for g in ids.tolist()])
+            fd_arr = np.asarray(fd_list, dtype=np.int64)
+            fds_simple = fd_arr[np.searchsorted(ids, g0[simple])].tolist()
+            inner = (offsets[simple] - (g0[simple] - self._piece_base[first[simple]]) * p).tolist()
+            if rows is None:
+                row_bufs: Iterator[Any] = zip(out)  # ndarray rows (typeshed: not buffers)
+            else:
+                row_bufs = iter(rows)
+            if others:
+                row_bufs = itertools.compress(row_bufs, simple.tolist())
+            try:
+                got = sum(map(os.preadv, fds_simple, row_bufs, inner))
+            except OSError:
+                got = -1
+            if got != len(fds_simple) * row:
+                raise StoreError(
+                    f"dataset {self.name!r}: a cached piece read short; something changed "
+                    f"the cache directory {self.cache.directory}: restart the server"
+                )
+            if others:
+                fd_of = dict(zip(ids.tolist(), fd_list, strict=True))
+                for i, spans in zip(others, slow_spans, strict=True):
+                    done = i * row
+                    for k, off, nb in spans:
+                        self._read_file(buf[done : done + nb], k, off, fd_of)
+                        done += nb
+        return out
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """As :meth:`Dataset.document_starts`, from the cache (NotResident if missing)."""
+        self._check_open()
+        return super().document_starts(start, stop)
+
+    def _document_index(self, k: int) -> np.ndarray:
+        index = self._index.get(k)
+        if index is None:
+            shard = self.manifest.shards[k]
+            index = np.empty(shard.documents, dtype="<u8")
+            if shard.documents:
+                offset = index_offset(shard.tokens, self.dtype.itemsize)
+                buf = index.data.cast("B")
+                with self.cache.lock:
+                    fds = self._acquire(self._span_pieces(k, offset, len(buf)))
+                    self._read_file(buf, k, offset, fds)
+            self._index[k] = index
+        return index
+
+    def verify_checksums(self) -> None:
+        """Nothing to do: every piece is verified against the manifest as it is fetched."""
+        self._check_open()
+
+    def read_extra_file(self, name: str) -> bytes:
+        """One of the manifest's ``extra_files``, fetched from the bucket (blocking: for
+        the HTTP side, never the data plane's loop)."""
+        if name not in self.manifest.extra_files or not is_plain_file_name(name):
+            raise ValueError(f"{name!r} is not one of dataset {self.name!r}'s files")
+        return self.objects.get(f"{self.name}/{name}")
+
+    def close(self) -> None:
+        """Forget the dataset (the cache keeps its pieces; they are shared by builds)."""
+        self._closed = True
+        self._index.clear()
+
+
+_T = TypeVar("_T")
+
+
+def read_blocking(ds: Dataset, read: Callable[[], _T], timeout: float | None = 60.0) -> _T:
+    """``read()`` (a read of ``ds``), waiting for missing pieces instead of raising
+    NotResident: for tools and tests, never for the data plane's loop."""
+    from tokenfeed_server.store.cache import NotResident
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    held: tuple[PieceCache, Waiter] | None = None
+    try:
+        while True:
+            try:
+                return read()
+            except NotResident as exc:
+                # The pins of the last wait are kept until the retry has read: released
+                # before, its pieces could be evicted for others again and again.
+                if held is not None:
+                    held[0].release(held[1])
+                held = (exc.cache, exc.waiter)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not exc.waiter.wait(left):
+                    raise StoreError(
+                        f"dataset {ds.name!r}: pieces did not arrive in {timeout} s"
+                    ) from None
+                if exc.waiter.error is not None:
+                    raise exc.waiter.error from None
+    finally:
+        if held is not None:
+            held[0].release(held[1])
+
+
+def list_remote_datasets(objects: ObjectStore) -> dict[str, tuple[str, int]]:
+    """``{name: (etag, size)}`` of every ``<name>/manifest.json`` in the store (a manifest
+    is uploaded last, so only complete datasets are listed)."""
+    found: dict[str, tuple[str, int]] = {}
+    for info in objects.list():
+        name, sep, rest = info.key.partition("/")
+        if sep and rest == MANIFEST_NAME and _NAME_RE.fullmatch(name) and ".." not in name:
+            found[name] = (info.etag, info.size)
+    return found
+
+
+def open_remote_dataset(objects: ObjectStore, cache: PieceCache, name: str) -> RemoteDataset:
+    """Open dataset ``name`` of a remote store: read and check its manifest (version 2,
+    with per-piece digests), and check that every shard object exists with its size.
+
+    Nothing else is read: pieces come into the cache on demand, verified.
+    """
+    from tokenfeed_server.store.objects import ObjectNotFound
+
+    validate_dataset_name(name)
+    url = objects.url(f"{name}/{MANIFEST_NAME}")
+    try:
+        text = objects.get(f"{name}/{MANIFEST_NAME}")
+    except ObjectNotFound:
+        raise DatasetNotFound(
+            f"no dataset {name!r} in store {objects.url()}; create it with "
+            "tokenfeed-server prepare ... --store " + objects.url()
+        ) from None
+    try:
+        manifest = Manifest.from_json(text)
+    except ManifestError as exc:
+        raise ManifestError(
+            f"{url}: {exc}; re-run tokenfeed-server prepare ... --overwrite"
+        ) from exc
+    if manifest.format_version < 2 or not manifest.piece_bytes:
+        raise ManifestError(
+            f"{url}: format version {manifest.format_version} has no per-piece checksums, "
+            "which serving from object storage needs; re-run tokenfeed-server prepare "
+            "... --overwrite into the bucket with this tokenfeed"
+        )
+    sizes = {info.key: info.size for info in objects.list(f"{name}/")}
+    itemsize = manifest.itemsize
+    for shard in manifest.shards:
+        key = f"{name}/{shard.name}"
+        expected = shard.file_size(itemsize)
+        size = sizes.get(key)
+        if size is None:
+            raise CorruptShard(
+                f"{objects.url(key)}: shard object is missing (deleted by gc or by hand?); "
+                "re-run tokenfeed-server prepare ... --overwrite"
+            )
+        if size != expected:
+            raise CorruptShard(
+                f"{objects.url(key)}: object has {size} bytes, the manifest says {expected}; "
+                "re-run tokenfeed-server prepare ... --overwrite"
+            )
+    return RemoteDataset(name, manifest, objects, cache)

@@ -1,0 +1,134 @@
+"""Plan-driven prefetch: the pieces each active job will read next, fetched ahead.
+
+A plan is a pure function of the stream position, so the server knows what a job reads
+next without being told: :meth:`Plan.block_spans <tokenfeed.plan.Plan.block_spans>`
+gives the token spans of the block being served and of the next one. Their pieces are
+handed to the cache as *wanted* (:meth:`PieceCache.want
+<tokenfeed_server.store.cache.PieceCache.want>`): fetched ahead into free room, and
+evicted only after every piece no plan wants. So a trainer warmed up on a block shuffle
+never waits on object storage: the next block is in before it is read.
+
+With the global shuffle any stretch of the stream reads the whole dataset: it is wanted
+whole when it fits in the cache (fetched at the job's start, then served from disk),
+else not at all (read on demand, piece by piece).
+
+The data plane calls :meth:`Prefetcher.update` from its housekeeping, a few times a
+second, on its own thread; it only computes spans and hands a list to the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from tokenfeed.plan import Plan
+from tokenfeed_server.store.cache import PieceCache, PieceRef
+from tokenfeed_server.store.reader import Dataset, RemoteDataset
+
+__all__ = ["PrefetchJob", "Prefetcher", "wanted_ranges"]
+
+#: A job that asked nothing for this long is not prefetched for.
+ACTIVE_S = 120.0
+#: The wanted pieces are handed again at least this often, so that wanted pieces evicted
+#: meanwhile (room made for a request) are fetched again.
+REFRESH_S = 5.0
+
+
+class _Source(Protocol):
+    @property
+    def dataset(self) -> Dataset: ...
+
+    @property
+    def plan(self) -> Plan: ...
+
+
+class _Feed(Protocol):
+    @property
+    def sources(self) -> Sequence[_Source]: ...
+
+    def source_positions(self, position: int) -> list[int]: ...
+
+
+class PrefetchJob(Protocol):
+    """What the prefetcher reads of a data-plane job."""
+
+    @property
+    def feed(self) -> _Feed: ...
+
+    position: int
+    last_active: float
+
+
+# (dataset, first piece id, end piece id), most urgent first
+_Range = tuple[RemoteDataset, int, int]
+
+
+def wanted_ranges(
+    dataset: Dataset, plan: Plan, position: int, capacity: int, *, blocks: int = 2
+) -> list[_Range]:
+    """The piece ranges of ``dataset`` that ``plan`` reads from stream ``position`` on:
+    the current block's first, then the next ``blocks - 1``; for the global shuffle the
+    whole dataset if it fits in ``capacity`` bytes, else nothing."""
+    if not isinstance(dataset, RemoteDataset):
+        return []
+    if plan.shuffle == "global":
+        if dataset.nbytes <= capacity:
+            return [(dataset, 0, len(dataset.pieces))]
+        return []
+    out: list[_Range] = []
+    seen: set[tuple[int, int]] = set()
+    for n in range(1, blocks + 1):  # a span of block 1 comes again in blocks 1..2: once
+        for start, stop in plan.block_spans(position, n):
+            first, end = dataset.piece_range(start, stop)
+            if (first, end) not in seen and end > first:
+                seen.add((first, end))
+                out.append((dataset, first, end))
+    return out
+
+
+class Prefetcher:
+    """Tells ``cache`` which pieces the active jobs read next (see the module docstring).
+
+    At most ``share`` of the cache is wanted at once, so pieces that requests wait for
+    always find room without evicting what the next block needs.
+    """
+
+    def __init__(self, cache: PieceCache, *, blocks: int = 2, share: float = 0.75) -> None:
+        self.cache = cache
+        self.blocks = blocks
+        self.budget = int(cache.capacity * share)
+        self._last: list[tuple[int, int, int]] | None = None
+        self._last_sent = 0.0
+
+    def update(self, jobs: Iterable[PrefetchJob], now: float | None = None) -> None:
+        """Recompute the wanted pieces; hand them to the cache when they changed."""
+        now = time.monotonic() if now is None else now
+        ranges: list[_Range] = []
+        for job in jobs:
+            if now - job.last_active > ACTIVE_S:
+                continue
+            feed = job.feed
+            for source, pos in zip(feed.sources, feed.source_positions(job.position), strict=True):
+                ranges.extend(
+                    wanted_ranges(
+                        source.dataset, source.plan, pos, self.cache.capacity, blocks=self.blocks
+                    )
+                )
+        key = [(id(ds), a, b) for ds, a, b in ranges]
+        if key == self._last and now - self._last_sent < REFRESH_S:
+            return
+        self._last, self._last_sent = key, now
+        refs: list[PieceRef] = []
+        seen: set[str] = set()
+        total = 0
+        for ds, first, end in ranges:
+            for ref in ds.pieces[first:end]:
+                if ref.digest in seen:
+                    continue
+                if total + ref.size > self.budget:
+                    break
+                seen.add(ref.digest)
+                refs.append(ref)
+                total += ref.size
+        self.cache.want(refs)

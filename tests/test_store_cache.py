@@ -1,0 +1,360 @@
+"""The piece cache of a remote store, against a real S3 protocol server (moto, a process).
+
+A dataset is written locally (small pieces, several shards), published to the bucket,
+and read back through a :class:`PieceCache` a third of its size: every read equals the
+local dataset's, the cache never holds more than its size on disk (watched by a thread
+while it works), bad bytes are fetched again or reported naming the object, temp files
+of a killed server are removed at start and never served, and eviction takes pieces the
+prefetch plan does not want first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
+from shard_data import BYTE
+from tokenfeed.errors import StoreError
+from tokenfeed_server.config import parse_size
+from tokenfeed_server.store import Dataset, open_dataset, write_dataset
+from tokenfeed_server.store.cache import (
+    CacheTooSmall,
+    NotResident,
+    PieceCache,
+    PieceRef,
+    PieceUnreadable,
+)
+from tokenfeed_server.store.objects import ObjectStore, S3Location
+from tokenfeed_server.store.publish import publish_dataset
+from tokenfeed_server.store.reader import RemoteDataset, open_remote_dataset, read_blocking
+
+PIECE = 4096
+BUCKET = "cache-tests"
+
+
+def _docs(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=int(rng.integers(50, 900))) for _ in range(400)]
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server_module: S3Server) -> Iterator[S3Server]:  # noqa: F811
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in s3_server_module.env({}).items():
+            mp.setenv(key, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        s3_server_module.make_bucket(BUCKET)
+        yield s3_server_module
+
+
+@pytest.fixture(scope="module")
+def published(
+    s3: S3Server, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Dataset, ObjectStore]:
+    """The local dataset ``d`` (3+ shards, 4 KiB pieces) and the store it is published to."""
+    store = tmp_path_factory.mktemp("local")
+    write_dataset(
+        store, "d", _docs(1), tokenizer=BYTE, shuffle_seed=0, shard_tokens=60_000, piece_bytes=PIECE
+    )
+    objects = ObjectStore(S3Location(BUCKET, "store"))
+    publish_dataset(store / "d", objects, "d")
+    return open_dataset(store, "d"), objects
+
+
+def _cache(tmp_path: Path, objects: ObjectStore, capacity: int, **kw: object) -> PieceCache:
+    return PieceCache(tmp_path / "cache", capacity, objects, backoff_s=0.01, **kw)  # type: ignore[arg-type]
+
+
+class _Watch:
+    """Samples the cache directory's bytes on disk while a test works."""
+
+    def __init__(self, cache: PieceCache) -> None:
+        self.cache = cache
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.cache.disk_bytes())
+            self._stop.wait(0.002)
+
+    def __enter__(self) -> _Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.cache.disk_bytes())
+
+
+def test_random_reads_equal_local_and_the_bound_holds(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    local, objects = published
+    remote_bytes = sum(s.file_size(local.dtype.itemsize) for s in local.manifest.shards)
+    capacity = remote_bytes // 3
+    cache = _cache(tmp_path, objects, capacity)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        assert isinstance(ds, RemoteDataset) and ds.nbytes == remote_bytes
+        assert len(ds.manifest.shards) >= 3
+        assert ds.fingerprint == local.fingerprint
+        rng = np.random.default_rng(7)
+        with _Watch(cache) as watch:
+            for _ in range(120):
+                length = int(rng.integers(1, 700))
+                starts = rng.integers(0, local.n_tokens - length, size=int(rng.integers(1, 9)))
+                got = read_blocking(ds, lambda s=starts, n=length: ds.gather(s, n).copy())
+                np.testing.assert_array_equal(got, local.gather(starts, length))
+            # a read across every shard boundary, and document starts from the index
+            for k in range(1, len(local.manifest.shards)):
+                edge = int(local._bounds_list[k])
+                got = read_blocking(ds, lambda e=edge: ds.read(e - 300, e + 300))
+                np.testing.assert_array_equal(got, local.read(edge - 300, edge + 300))
+            got = read_blocking(ds, lambda: ds.document_starts(0, local.n_tokens))
+            np.testing.assert_array_equal(got, local.document_starts(0, local.n_tokens))
+        stats = cache.stats()
+        assert watch.peak <= capacity, (watch.peak, capacity)
+        assert stats["reserved_bytes"] <= capacity
+        assert stats["evictions"] > 0  # the cache really was too small for the dataset
+        assert stats["misses"] > 0 and stats["hits"] > 0
+        assert stats["bytes_fetched"] >= capacity
+        assert stats["fetch_latency_p50_s"] is not None
+    finally:
+        cache.close()
+
+
+def test_concurrent_requests_in_a_tight_cache_all_complete(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    """Requests that each need a good part of the cache, from several threads at once:
+    admitted whole, first come first served, so none waits for room another holds."""
+    local, objects = published
+    capacity = 12 * PIECE
+    cache = _cache(tmp_path, objects, capacity, fetchers=3)
+    errors: list[BaseException] = []
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+
+        def reader(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(15):
+                    starts = rng.integers(0, local.n_tokens - 65, size=4)
+                    got = read_blocking(ds, lambda s=starts: ds.gather(s, 65).copy(), timeout=60)
+                    np.testing.assert_array_equal(got, local.gather(starts, 65))
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        with _Watch(cache) as watch:
+            threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads)
+        assert watch.peak <= capacity
+    finally:
+        cache.close()
+
+
+def test_a_request_larger_than_the_cache_is_refused_clearly(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    _, objects = published
+    cache = _cache(tmp_path, objects, 2 * PIECE)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        starts = np.arange(0, 10 * PIECE, PIECE // 2)  # about ten pieces at once
+        with pytest.raises(NotResident) as info:
+            ds.gather(starts, 16)
+        waiter = info.value.waiter
+        assert waiter.wait(10)
+        assert isinstance(waiter.error, CacheTooSmall)
+        assert "--cache-size" in str(waiter.error)
+        cache.release(waiter)
+    finally:
+        cache.close()
+
+
+class _CorruptOnce:
+    """The bucket, with the first answer for each piece damaged in transit."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+        self.seen: set[tuple[str, int]] = set()
+
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        data = self.objects.get_range(key, start, stop)
+        if (key, start) not in self.seen:
+            self.seen.add((key, start))
+            return bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+
+def test_bytes_damaged_in_transit_are_fetched_again(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    local, objects = published
+    source = _CorruptOnce(objects)
+    cache = PieceCache(tmp_path / "cache", 40 * PIECE, source, backoff_s=0.01)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        got = read_blocking(ds, lambda: ds.read(1000, 9000))
+        np.testing.assert_array_equal(got, local.read(1000, 9000))
+        stats = cache.stats()
+        assert stats["checksum_mismatches"] == stats["fetches"] >= 2
+        assert stats["unreadable"] == 0
+    finally:
+        cache.close()
+
+
+def test_a_bad_copy_in_the_bucket_is_reported_naming_the_object(
+    published: tuple[Dataset, ObjectStore], s3: S3Server, tmp_path: Path
+) -> None:
+    local, objects = published
+    cache = PieceCache(tmp_path / "cache", 40 * PIECE, objects, backoff_s=0.01, failure_ttl_s=0.0)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        shard = ds.manifest.shards[1]
+        key = f"d/{shard.name}"
+        good = objects.get(key)
+        bad = bytearray(good)
+        bad[PIECE + 10] ^= 0x55  # piece 1 of shard 1, same size: only the digest can tell
+        objects.put_bytes(key, bytes(bad))
+        try:
+            first = int(local._bounds_list[1])
+            # tokens in shard 1's piece 1 (the file's bytes [PIECE, 2*PIECE))
+            at = first + (PIECE + 10 - 64) // 2
+            with pytest.raises(PieceUnreadable) as info:
+                read_blocking(ds, lambda: ds.read(at, at + 4))
+            message = str(info.value)
+            assert objects.url(key) in message
+            assert "the bucket copy itself is bad" in message
+            assert "prepare" in message
+            assert cache.stats()["checksum_mismatches"] == cache.mismatch_attempts
+            assert not cache.resident(ds.pieces[ds._piece_base_list[1] + 1].digest)
+            # other pieces of the same dataset are still served
+            np.testing.assert_array_equal(
+                read_blocking(ds, lambda: ds.read(0, 500)), local.read(0, 500)
+            )
+        finally:
+            objects.put_bytes(key, good)
+        # the bucket repaired (a re-run prepare): served again
+        np.testing.assert_array_equal(
+            read_blocking(ds, lambda: ds.read(at, at + 4)), local.read(at, at + 4)
+        )
+    finally:
+        cache.close()
+
+
+def test_temp_files_of_a_killed_server_are_removed_and_never_served(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    local, objects = published
+    directory = tmp_path / "cache"
+    cache = PieceCache(directory, 40 * PIECE, objects)
+    ds = open_remote_dataset(objects, cache, "d")
+    read_blocking(ds, lambda: ds.read(0, 3000))  # 6064 bytes: pieces 0 and 1 of shard 0
+    cache.close()
+    good, other = ds.pieces[0], ds.pieces[1]
+    assert (directory / "pieces" / good.digest).is_file()
+    # What a kill mid-fetch leaves: half a piece in tmp/ (never renamed). And a piece file
+    # damaged on disk after its rename: hashed again before use, so never served either.
+    (directory / "tmp" / f"{ds.pieces[2].digest}.dead.part").write_bytes(b"\0" * 100)
+    (directory / "pieces" / other.digest).write_bytes(b"\0" * other.size)
+    cache = PieceCache(directory, 40 * PIECE, objects)
+    try:
+        assert cache.removed_at_start == 1
+        assert not any((directory / "tmp").iterdir())
+        ds = open_remote_dataset(objects, cache, "d")
+        got = read_blocking(ds, lambda: ds.read(0, 3000))
+        np.testing.assert_array_equal(got, local.read(0, 3000))
+        stats = cache.stats()
+        assert stats["verified_local"] == 1  # the good piece, hashed, not fetched again
+        assert stats["fetches"] == 1  # the damaged one came from the bucket again
+    finally:
+        cache.close()
+
+
+def test_eviction_takes_unwanted_pieces_first(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    _, objects = published
+    cache = _cache(tmp_path, objects, 4 * PIECE)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        p = [r for r in ds.pieces if r.size == PIECE][:8]
+        a, b, c, d, e, f, g, h = p
+        cache.want([a, b])
+        for _ in range(500):
+            if cache.resident(a.digest) and cache.resident(b.digest):
+                break
+            threading.Event().wait(0.01)
+        assert cache.resident(a.digest) and cache.resident(b.digest)
+        cache.fetch_all_blocking([c], timeout=30)
+        cache.fetch_all_blocking([d], timeout=30)
+
+        def here() -> set[PieceRef]:
+            return {r for r in p if cache.resident(r.digest)}
+
+        cache.fetch_all_blocking([e], timeout=30)  # evicts c: the oldest unwanted
+        assert here() == {a, b, d, e}
+        cache.fetch_all_blocking([f], timeout=30)
+        assert here() == {a, b, e, f}
+        cache.fetch_all_blocking([g, h], timeout=30)  # the wanted ones still stay
+        assert here() == {a, b, g, h}
+        cache.want([b])  # a is no longer wanted: it goes first now (least recent)
+        cache.fetch_all_blocking([c], timeout=30)
+        assert here() == {b, g, h, c}
+        assert cache.stats()["prefetches"] == 2
+    finally:
+        cache.close()
+
+
+def test_one_cache_directory_per_server(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    _, objects = published
+    cache = _cache(tmp_path, objects, 4 * PIECE)
+    try:
+        with pytest.raises(StoreError, match="in use by another server"):
+            _cache(tmp_path, objects, 4 * PIECE)
+    finally:
+        cache.close()
+
+
+def test_a_version_1_dataset_is_refused_for_object_storage(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    _, objects = published
+    objects.put_bytes("old/manifest.json", b'{"format_version": 1}')
+    cache = _cache(tmp_path, objects, 4 * PIECE)
+    try:
+        with pytest.raises(StoreError, match="prepare"):
+            open_remote_dataset(objects, cache, "old")
+    finally:
+        cache.close()
+        objects.delete(["old/manifest.json"])
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("123", 123), ("4KB", 4000), ("4 kib", 4096), ("1.5GiB", 3 << 29), ("2MB", 2_000_000)],
+)
+def test_cache_sizes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "12XB", "-3", "1.5", "GiB"])
+def test_bad_cache_sizes_say_what_is_accepted(text: str) -> None:
+    with pytest.raises(ValueError, match=r"a size|whole"):
+        parse_size(text)
