@@ -300,6 +300,13 @@ def test_bad_schedules_and_unknown_sources_are_refused(wire: Wire) -> None:
     assert err.code == "bad_request" and "bad mixture schedule" in err.message
     err = wire.refusal(sources=("web", "code"), schedule=((0, 65536, 1),))
     assert err.code == "bad_request" and "65536" in err.message
+    # periods of distinct weightings are bounded all together (tables cost the server)
+    heavy = tuple((k * 10, 65535 - 2 * k, 1 + 2 * k) for k in range(5))  # none reduces
+    err = wire.refusal(sources=("web", "code"), schedule=heavy)
+    assert err.code == "bad_request" and "periods summing to 327680 rows" in err.message
+    # four largest periods fit; a weighting used again costs nothing more
+    light = (*((k * 10, 65535 - 2 * k, 1 + 2 * k) for k in range(4)), (40, 65535, 1))
+    assert isinstance(wire.hello(sources=("web", "code"), schedule=light), protocol.Welcome)
     err = wire.refusal(sources=("web", "nope"), schedule=((0, 1, 1),))
     assert err.code == "unknown_dataset" and "'nope'" in err.message
     err = wire.refusal(dataset="web", sources=("web", "code"), schedule=((0, 1, 1),))

@@ -30,14 +30,20 @@ import numpy.typing as npt
 
 from tokenfeed import protocol
 from tokenfeed.errors import ConfigError, DatasetChanged, PlanError, RequestRejected
-from tokenfeed.mixture import Mixture, source_seed
+from tokenfeed.mixture import MAX_PERIOD, Mixture, source_seed
 from tokenfeed.plan import Plan, default_block_sizes
 from tokenfeed_server.store.reader import Dataset
 from tokenfeed_server.store.serving import _row_buffers, _window_blocks, assemble
 
-__all__ = ["Feed", "Source", "open_feed"]
+__all__ = ["MAX_TABLE_ROWS", "Feed", "Source", "open_feed"]
 
 IntArray = npt.NDArray[np.int64]
+
+#: Most period-table rows one mixture may need (distinct weight vectors' periods summed):
+#: the tables are built on the data plane's thread and kept per job, 16 bytes a row, so a
+#: hello cannot make the server spend seconds and gigabytes on one schedule. Four
+#: segments of the largest period fit.
+MAX_TABLE_ROWS = 4 * MAX_PERIOD
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,13 @@ def open_feed(datasets: Sequence[Dataset], msg: protocol.Hello) -> Feed:
             mixture: Mixture | None = Mixture.from_wire(names, msg.schedule)
         except ConfigError as exc:  # PlanError too: both are the client's input
             raise RequestRejected(f"bad mixture schedule: {exc}") from None
+        rows = sum(sum(w) for w in {w for _, w in mixture.segments})
+        if rows > MAX_TABLE_ROWS:
+            raise RequestRejected(
+                f"bad mixture schedule: its distinct weight vectors have periods summing to "
+                f"{rows} rows, over this server's {MAX_TABLE_ROWS}; use fewer distinct "
+                "weightings or coarser weights (smaller integers after reduction)"
+            )
     else:
         _check_build(datasets[0], msg.fingerprint, f"dataset {msg.dataset!r}")
         mixture = None
