@@ -9,6 +9,8 @@ on a wrong order.
 
 from __future__ import annotations
 
+import json
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,7 @@ from shard_data import BYTE
 from tokenfeed import protocol
 from tokenfeed.mixture import Mixture, source_seed
 from tokenfeed.plan import Plan, default_block_sizes
+from tokenfeed_server.prepare import PrepareConfig, prepare
 from tokenfeed_server.store import Dataset, TokenizerInfo, open_dataset, write_dataset
 
 pytestmark = pytest.mark.network
@@ -54,6 +57,27 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
                   shard_tokens=701)  # fmt: skip
     other = TokenizerInfo(kind="hf", vocab_size=300, eos_id=299)
     write_dataset(root, "odd", docs(0, 299, 40, 4), tokenizer=other, shuffle_seed=4)
+    # Text prepared by the real prepare: bpe-web trains a BPE, bpe-code reuses its
+    # tokenizer.json (as the refusal advises), bpe-math trains its own.
+    rng = random.Random(5)
+    words = {
+        "bpe-web": ["the", "cat", "sat", "on", "a", "mat", "with", "hats"],
+        "bpe-code": ["def", "return", "if", "else", "for", "while", "print"],
+        "bpe-math": ["one", "two", "three", "plus", "minus", "equals", "prime"],
+    }
+    for name, vocabulary in words.items():
+        corpus = root.parent / f"{name}-corpus.jsonl"
+        lines = (
+            json.dumps({"text": " ".join(rng.choices(vocabulary, k=rng.randint(5, 60)))})
+            for _ in range(80)
+        )
+        corpus.write_text("\n".join(lines) + "\n")
+        tokenizer = str(root / "bpe-web" / "tokenizer.json") if name == "bpe-code" else "bpe:300"
+        config = PrepareConfig(
+            inputs=(corpus,), store=root, dataset=name, tokenizer=tokenizer, workers=1,
+            progress=False,
+        )  # fmt: skip
+        prepare(config)
     return root
 
 
@@ -278,6 +302,37 @@ def test_sources_of_different_tokenizers_are_refused_naming_two(wire: Wire) -> N
     assert err.code == "bad_request"
     assert "'web' and 'odd'" in err.message
     assert "vocab_size 257 vs 300" in err.message and "--tokenizer" in err.message
+
+
+def test_sources_prepared_with_one_tokenizer_file_mix(
+    wire: Wire, store: Path, opened: dict[str, Dataset]
+) -> None:
+    """The advice of the refusal, with the real prepare: a source prepared with
+    ``--tokenizer`` pointing at another's tokenizer.json mixes with it (their kinds differ:
+    trained vs loaded, their file is the same); a BPE trained on its own corpus does not."""
+    web, code = open_dataset(store, "bpe-web"), open_dataset(store, "bpe-code")
+    try:
+        assert web.manifest.tokenizer.kind != code.manifest.tokenizer.kind
+        mixture = Mixture({"bpe-web": 2, "bpe-code": 1})
+        welcome = wire.welcome(**mixture_hello(mixture, world_size=1))
+        assert welcome.eos_id == web.manifest.tokenizer.eos_id
+        tokens, rows = wire.get(welcome.job, 0, 0, 3)
+        plans = {
+            ds.name: Plan(ds.n_tokens, SEQ, BATCH, 1, source_seed(SEED, ds.name))
+            for ds in (web, code)
+        }
+        sources, spos = mixture.locate(np.arange(3 * BATCH))
+        for row, s, q in zip(tokens, sources.tolist(), spos.tolist(), strict=True):
+            ds = (web, code)[s]
+            ids, _ = plans[ds.name].windows(np.array([q]))
+            assert np.array_equal(row, ds.gather(plans[ds.name].token_starts(ids), SEQ + 1)[0])
+        assert rows["source"].tolist() == sources.tolist()
+    finally:
+        web.close()
+        code.close()
+    err = wire.refusal(**mixture_hello(Mixture({"bpe-web": 1, "bpe-code": 1, "bpe-math": 1})))
+    assert err.code == "bad_request"
+    assert "'bpe-web' and 'bpe-math'" in err.message and "tokenizer file hash" in err.message
 
 
 def test_a_changed_source_is_refused_naming_it(wire: Wire, opened: dict[str, Dataset]) -> None:

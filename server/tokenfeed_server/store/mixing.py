@@ -297,9 +297,17 @@ def _check_build(ds: Dataset, expected: str, what: str) -> None:
 
 
 def _tokenizer_identity(ds: Dataset) -> dict[str, Any]:
+    """What makes token ids mean the same text: (kind, vocabulary size, EOS id,
+    tokenizer file hash), and the token dtype.
+
+    The kind is compared only for tokenizers without a file (``byte``): a file names the
+    tokenizer exactly, while its kind says how prepare got it, so a source prepared with
+    ``--tokenizer`` pointing at another's ``tokenizer.json`` (kind ``hf:tokenizer.json``)
+    matches the one that trained it (kind ``bpe:300``).
+    """
     t = ds.manifest.tokenizer
     return {
-        "kind": t.kind,
+        "kind": t.kind if t.file_hash is None else "(a tokenizer file)",
         "vocab_size": t.vocab_size,
         "eos_id": t.eos_id,
         "tokenizer file hash": t.file_hash,
