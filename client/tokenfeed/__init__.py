@@ -2,7 +2,8 @@
 
 ``import tokenfeed`` is light: numpy, pyzmq and msgpack only. The torch parts
 (:class:`TokenFeedDataset`, :class:`TokenFeedLoader`) are imported on first use, so a
-server or a tool that never touches torch never pays for it.
+server or a tool that never touches torch never pays for it. :class:`Mixture` (a blend of
+datasets by weight, and its schedule) never needs torch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from tokenfeed.errors import TokenFeedError
 
 __version__ = "0.1.0"
 __all__ = [
+    "Mixture",
     "TokenFeedDataset",
     "TokenFeedError",
     "TokenFeedLoader",
@@ -25,9 +27,11 @@ __all__ = [
 if TYPE_CHECKING:
     from tokenfeed.dataset import TokenFeedDataset
     from tokenfeed.loader import TokenFeedLoader
+    from tokenfeed.mixture import Mixture
     from tokenfeed.tokenizer import fetch_tokenizer
 
 _LAZY = {
+    "Mixture": "tokenfeed.mixture",
     "TokenFeedDataset": "tokenfeed.dataset",
     "TokenFeedLoader": "tokenfeed.loader",
     "fetch_tokenizer": "tokenfeed.tokenizer",

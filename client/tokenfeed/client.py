@@ -586,11 +586,13 @@ class FeedClient:
 
     def _error(self, err: protocol.Err) -> ServerError:
         if err.code == DatasetChanged.code and self.mixture and self.source_fingerprints:
-            # The server names the source that changed; say what to do about it.
+            # The server names the source that changed; say what this job expects and
+            # what to do about it.
+            pins = ", ".join(f"{n!r}: {fp}" for n, fp in self.source_fingerprints.items())
             return DatasetChanged(
                 f"{err.message} (server {self.endpoint}). A source of this mixture is not "
-                "the build this job reads: restore it, or start over on purpose: drop the "
-                "loader state (a new run from position 0)"
+                f"the build this job reads (expected {{{pins}}}): restore it, or start over "
+                "on purpose: drop the loader state (a new run from position 0)"
             )
         if err.code == DatasetChanged.code and self.fingerprint is not None:
             return DatasetChanged(f"{self._changed(None)} [server: {err.message}]")

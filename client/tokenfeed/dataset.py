@@ -9,18 +9,23 @@ every epoch exactly once.
 
 The dataset object holds plain settings only: it pickles (spawn and forkserver work) and
 opens its socket lazily in ``__iter__``, after the worker process exists.
+
+A mixture (:class:`~tokenfeed.mixture.Mixture`, or a mapping of dataset name to weight)
+is one job on the server, one global stream like a single dataset's: ranks, workers,
+``state_dict()`` and resuming are the same, and every batch also carries ``source``.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal, TypeAlias, get_args
 
 import numpy as np
 import torch
@@ -30,6 +35,7 @@ from tokenfeed.client import Answer, ClientOptions, FeedClient
 from tokenfeed.consumed import ConsumedCounter
 from tokenfeed.documents import document_fields
 from tokenfeed.errors import ConfigError, TokenFeedError
+from tokenfeed.mixture import Mixture, Schedule
 from tokenfeed.plan import steps_to_cover, worker_steps
 from tokenfeed.protocol import DTYPES, JobSpec, Welcome
 from tokenfeed.replicas import Replicas, parse_endpoints
@@ -45,25 +51,44 @@ log = logging.getLogger("tokenfeed")
 LabelMode = Literal["shifted", "unshifted"]
 LABEL_MODES: tuple[LabelMode, ...] = get_args(LabelMode)
 
+#: The order of windows within an epoch: ``"global"``: a permutation of every window of
+#: the dataset; ``"block"``: regions of consecutive windows (about a shard each) visited
+#: a few at a time, windows shuffled across each block (for stores read from object
+#: storage through a cache smaller than the dataset; see :class:`tokenfeed.plan.Plan`).
+ShuffleMode = Literal["global", "block"]
+SHUFFLE_MODES: tuple[ShuffleMode, ...] = get_args(ShuffleMode)
+
+#: What ``dataset=`` may be: a dataset name, or a mixture (a mapping of name to weight, a
+#: schedule of ``(start, weights)`` segments, or a :class:`~tokenfeed.mixture.Mixture`).
+DatasetArg: TypeAlias = "str | Mixture | Schedule"
+
 
 class TokenFeedDataset(IterableDataset[Batch]):
     """Whole batches of one rank from a tokenfeed server; use with ``batch_size=None``.
 
     Each batch is a dict of ``input_ids`` and ``labels`` (int64 ``[batch_size, seq_len]``;
     see ``labels``), ``window_ids`` (int64 ``[batch_size]``, the global window index of
-    each row) and ``epoch`` (int64 ``[batch_size]``).
+    each row) and ``epoch`` (int64 ``[batch_size]``). A mixture's batches also carry
+    ``source`` (int64 ``[batch_size]``: the index of each row's dataset in
+    ``self.mixture.names``); there ``window_ids`` and ``epoch`` are the row's window and
+    epoch *in its own source*.
 
     Args:
         endpoint: the server's data endpoint, e.g. ``tcp://127.0.0.1:7400``; or several
             replicas over the same store: a list, a comma-separated string, or a host
             name with several addresses. Workers start spread over them and move to the
             next one when theirs stops answering (see :mod:`tokenfeed.replicas`).
-        dataset: dataset name in the server's store.
+        dataset: dataset name in the server's store; or a mixture of datasets: a mapping
+            of name to weight (``{"web": 7, "code": 2, "math": 1}``), a schedule of
+            ``(start position, weights)`` segments, or a :class:`~tokenfeed.Mixture`
+            (see :mod:`tokenfeed.mixture`). Every source walks its own shuffled plan.
         seq_len, batch_size, seed: the plan inputs (batch_size is per rank).
         rank, world_size: default from ``torch.distributed`` if initialised, else the
             ``RANK``/``WORLD_SIZE`` environment variables, else 0 and 1.
         epochs, samples: end the stream once this many epochs (or stream positions) are
-            covered; every rank stops at the same step. Default: endless.
+            covered; every rank stops at the same step. Default: endless. A mixture
+            takes ``samples`` only: its sources run through their epochs at their own
+            rates, so a mixture has no epoch of its own.
         token: the tenant's token (default: the ``TOKENFEED_TOKEN`` environment variable).
         server_public_key: the server's CURVE public key, to encrypt the connection.
         window: requests in flight per worker; chunk_bytes: about how much data one
@@ -84,12 +109,22 @@ class TokenFeedDataset(IterableDataset[Batch]):
             a copy of ``input_ids``, what Hugging Face causal LMs take as ``labels=``
             (they shift inside their loss, predicting ``seq_len - 1`` positions per row).
             Feeding shifted labels to such a model trains it on the token *after* next.
+        shuffle: ``"global"`` (default): every epoch a permutation of all windows.
+            ``"block"``: every epoch the dataset's regions (``region_windows``
+            consecutive windows each) in a new order, ``block_regions`` regions at a
+            time, windows shuffled across each block; every window still exactly once
+            per epoch. For datasets larger than the server's cache (object storage): the
+            server reads ahead one block at a time.
+        region_windows, block_regions: the block shuffle's sizes; None (default): the
+            server derives them from the dataset's shards (a region about a shard), and
+            :attr:`block_sizes` says which it used. Part of the resume state: a state
+            loads only with the same shuffle and sizes.
     """
 
     def __init__(
         self,
         endpoint: str | Sequence[str],
-        dataset: str,
+        dataset: DatasetArg,
         *,
         seq_len: int,
         batch_size: int,
@@ -107,6 +142,9 @@ class TokenFeedDataset(IterableDataset[Batch]):
         batches_per_item: int | None = None,
         document_boundaries: bool = False,
         labels: LabelMode = "shifted",
+        shuffle: ShuffleMode = "global",
+        region_windows: int | None = None,
+        block_regions: int | None = None,
     ) -> None:
         super().__init__()
         if labels not in LABEL_MODES:
@@ -124,9 +162,30 @@ class TokenFeedDataset(IterableDataset[Batch]):
             raise ConfigError("give epochs or samples, not both")
         if batches_per_item is not None and batches_per_item < 1:
             raise ConfigError("batches_per_item must be >= 1")
+        sizes = _check_shuffle(shuffle, region_windows, block_regions)
+        #: the mixture read (None: one dataset); ``source`` indexes its ``names``
+        self.mixture: Mixture | None = None if isinstance(dataset, str) else Mixture.of(dataset)
+        if self.mixture is not None and epochs is not None:
+            raise ConfigError(
+                "epochs= does not apply to a mixture: epochs belong to each source, which "
+                "runs through its own at the rate its weight gives it. End the stream with "
+                "samples= (global stream positions) instead"
+            )
         #: the endpoints, checked (one, or several replicas)
         self.endpoints = parse_endpoints(endpoint)
-        self.job = JobSpec(dataset, seq_len, batch_size, seed, self.world_size)
+        mix = self.mixture
+        self.job = JobSpec(
+            "" if mix is not None else str(dataset),
+            seq_len,
+            batch_size,
+            seed,
+            self.world_size,
+            sources=mix.names if mix is not None else (),
+            schedule=tuple(map(tuple, mix.to_wire())) if mix is not None else (),
+            shuffle=shuffle,
+            region_windows=sizes[0],
+            block_regions=sizes[1],
+        )
         self.epochs = epochs
         self.samples = samples
         self.batches_per_item = batches_per_item or 1
@@ -147,11 +206,27 @@ class TokenFeedDataset(IterableDataset[Batch]):
         self.labels: LabelMode = labels
         #: the dataset's EOS id, known once connected
         self.eos_id: int | None = None
-        #: the dataset build this reads: from a loaded state, else the first welcome
+        #: the dataset build this reads: from a loaded state, else the first welcome (for
+        #: a mixture the combined build of the first welcome, for information: a mixture
+        #: is pinned per source, in ``source_fingerprints``)
         self.fingerprint: str | None = None
+        #: a mixture's build per source name: from a loaded state, else the first welcome
+        self.source_fingerprints: dict[str, str] = {}
+        #: ``(region_windows, block_regions)`` per dataset name as the server uses them
+        #: (block shuffle only; known once connected, or from the arguments)
+        self.block_sizes: dict[str, tuple[int, int]] = (
+            dict.fromkeys(self.names, sizes) if min(sizes) >= 1 else {}
+        )
+        # block sizes a loaded state requires (checked against every welcome)
+        self._required_block_sizes: dict[str, tuple[int, int]] = {}
         #: the training loop's consumed position, told to the server on every get and
         #: bye; set while iterated directly or by TokenFeedLoader (None: not known)
         self.consumed: ConsumedCounter | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The dataset names read: the one dataset, or the mixture's sources in order."""
+        return self.job.sources if self.mixture is not None else (self.job.dataset,)
 
     @property
     def global_batch(self) -> int:
@@ -166,6 +241,12 @@ class TokenFeedDataset(IterableDataset[Batch]):
     def convert(self, answer: Answer) -> Iterator[Batch]:
         """The batches of an answer from :meth:`iter_answers`, converted as they are taken."""
         return batches_of(answer, self.job.batch_size, self.boundary_eos, self.labels)
+
+    def _pinned(self) -> bool:
+        """True when the build of every dataset read is known (from a state or a welcome)."""
+        if self.mixture is not None:
+            return all(name in self.source_fingerprints for name in self.job.sources)
+        return self.fingerprint is not None
 
     def check_server(self) -> Welcome:
         """Say hello from this process: learn the dataset's build and sizes, pin the build.
@@ -199,6 +280,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             slot=slot,
             options=self.options,
             fingerprint=self.fingerprint,
+            source_fingerprints=self.source_fingerprints,
             consumed=self._take_consumed,
             stop=stop,
         )
@@ -220,6 +302,21 @@ class TokenFeedDataset(IterableDataset[Batch]):
         self.n_windows = welcome.n_windows
         self.eos_id = welcome.eos_id
         self.fingerprint = welcome.fingerprint
+        if self.mixture is not None:
+            self.source_fingerprints.update(
+                zip(self.job.sources, welcome.source_fingerprints, strict=True)
+            )
+        if self.job.shuffle == "block":
+            used = _welcome_block_sizes(welcome, self.names)
+            for name, sizes in self._required_block_sizes.items():
+                if name in used and used[name] != sizes:
+                    raise ConfigError(
+                        f"the loaded state was saved with block sizes (region_windows, "
+                        f"block_regions) = {sizes} for {name!r}, but the server now uses "
+                        f"{used[name]}: the block order would change under the run. Pass "
+                        f"region_windows={sizes[0]}, block_regions={sizes[1]}"
+                    )
+            self.block_sizes = used
         return welcome
 
     def __iter__(self) -> Iterator[Batch]:
@@ -253,9 +350,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
         With ``batches_per_item == 1`` an item is one batch. Otherwise it is a *packed*
         item of ``n <= batches_per_item`` batches (see :func:`unpack`): the raw tokens
         ``[n, batch_size, seq_len + 1]`` in the store's dtype plus ``window_ids`` and
-        ``epoch`` ``[n, batch_size]``. Raw tokens are 8x smaller than int64 inputs and
-        labels, so a DataLoader moves a fraction of the bytes between processes, and the
-        main process converts each batch in one cheap pass when it unpacks the item.
+        ``epoch`` (and a mixture's ``source``) ``[n, batch_size]``. Raw tokens are 8x
+        smaller than int64 inputs and labels, so a DataLoader moves a fraction of the bytes
+        between processes, and the main process converts each batch in one cheap pass when
+        it unpacks the item.
         """
         sizes: collections.deque[int] = collections.deque()
         batch = self.job.batch_size
@@ -300,7 +398,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
     ) -> Iterator[Answer]:
         """Received answers for this worker's steps; item sizes are appended to ``sizes``."""
         start = self.position
-        if self.fingerprint is None and _several(self.endpoints):
+        if not self._pinned() and _several(self.endpoints):
             # Not pinned before the workers started (a DataLoader of the user's own): each
             # worker would pin the build of the replica it met first. Pin the common one.
             self._pin_build(stop)
@@ -330,32 +428,47 @@ class TokenFeedDataset(IterableDataset[Batch]):
         return None
 
     def state_dict(self, position: int | None = None) -> dict[str, Any]:
-        """The resume state: the consumed stream position, the plan inputs it is for and
-        the dataset build (``fingerprint``; None if this dataset never connected).
+        """The resume state: the consumed stream position, the plan inputs it is for, the
+        order (``shuffle``, ``block_sizes``: ``{name: [region_windows, block_regions]}``)
+        and the build of what it reads: ``fingerprint`` for one dataset (None if this
+        dataset never connected); for a mixture its ``schedule``
+        (:meth:`Mixture.to_state <tokenfeed.mixture.Mixture.to_state>`) and
+        ``fingerprints``, the build of each source. Plain JSON-friendly values.
 
         The position advances when the dataset is iterated in this process. Under your
         own DataLoader with worker processes it cannot see what was consumed: use
         :class:`~tokenfeed.TokenFeedLoader`, whose ``state_dict()`` counts batches as
         they reach the training loop.
         """
-        return {
+        state: dict[str, Any] = {
             "position": self.position if position is None else position,
-            "dataset": self.job.dataset,
             "seq_len": self.job.seq_len,
             "seed": self.job.seed,
             "batch_size": self.job.batch_size,
             "world_size": self.job.world_size,
-            "fingerprint": self.fingerprint,
+            "shuffle": self.job.shuffle,
+            "block_sizes": {name: list(sizes) for name, sizes in self.block_sizes.items()},
         }
+        if self.mixture is None:
+            state["dataset"] = self.job.dataset
+            state["fingerprint"] = self.fingerprint
+        else:
+            state["schedule"] = self.mixture.to_state()
+            state["fingerprints"] = dict(self.source_fingerprints)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from a saved position; batch_size and world_size may differ.
+        """Continue from a saved position; batch_size, world_size and the number of
+        workers may differ: the global stream continues identically.
 
-        The state's dataset build is pinned: reading resumes only from a server with the
-        same build, else :class:`~tokenfeed.errors.DatasetChanged` says what changed. A
-        state without a fingerprint (saved by an older tokenfeed) loads with a warning.
+        The state's dataset builds are pinned: reading resumes only from a server with the
+        same builds, else :class:`~tokenfeed.errors.DatasetChanged` says what changed (for
+        a mixture: which source). A state without a fingerprint (saved by an older
+        tokenfeed) loads with a warning. The shuffle mode and block sizes must be the
+        state's. A mixture's schedule may differ from the state's after the saved position
+        (a new or changed later segment: an anneal decided now), never before it.
         """
-        for key in ("dataset", "seq_len", "seed"):
+        for key in ("seq_len", "seed"):
             mine = getattr(self.job, key)
             if state_dict.get(key) != mine:
                 raise ConfigError(
@@ -365,18 +478,149 @@ class TokenFeedDataset(IterableDataset[Batch]):
         position = state_dict.get("position")
         if type(position) is not int or position < 0:
             raise ConfigError(f"state has no valid 'position': {position!r}")
+        shuffle = state_dict.get("shuffle", "global")  # older states: only global existed
+        if shuffle != self.job.shuffle:
+            raise ConfigError(
+                f"state was saved with shuffle={shuffle!r} but this dataset has "
+                f"shuffle={self.job.shuffle!r}; another order would not continue the same "
+                f"stream: pass shuffle={shuffle!r}"
+            )
+        required = self._check_state_block_sizes(state_dict.get("block_sizes", {}))
+        if self.mixture is None:
+            fingerprint = self._check_state_dataset(state_dict)
+        else:
+            fingerprints = self._check_state_mixture(state_dict, position)
+        # Everything checked: only now change this dataset.
+        self.position = position
+        self._required_block_sizes = required
+        self.block_sizes.update(required)
+        if self.mixture is None:
+            self.fingerprint = fingerprint
+            if self.job.dataset in required:
+                # Hand the sizes back to the server: the order can not change under the run.
+                r, b = required[self.job.dataset]
+                self.job = dataclasses.replace(self.job, region_windows=r, block_regions=b)
+        else:
+            self.fingerprint = None
+            self.source_fingerprints = {
+                name: fp for name, fp in fingerprints.items() if name in self.job.sources
+            }
+
+    def _check_state_block_sizes(self, saved: object) -> dict[str, tuple[int, int]]:
+        """The block sizes of a state, checked: they must be those given to this dataset."""
+        if not isinstance(saved, Mapping):
+            raise ConfigError(f"state has no valid 'block_sizes': {saved!r}")
+        out: dict[str, tuple[int, int]] = {}
+        given = (self.job.region_windows, self.job.block_regions)
+        for name, sizes in saved.items():
+            if (
+                not isinstance(name, str)
+                or not isinstance(sizes, Sequence)
+                or len(sizes) != 2
+                or not all(type(v) is int and v >= 1 for v in sizes)
+            ):
+                raise ConfigError(f"state has invalid block sizes for {name!r}: {sizes!r}")
+            r, b = sizes
+            # 0: not given (the server derives it, the state then pins it)
+            if any(mine and mine != saved for mine, saved in zip(given, sizes, strict=True)):
+                raise ConfigError(
+                    f"state was saved with block sizes region_windows={r}, block_regions={b} "
+                    f"for {name!r} but this dataset has region_windows={given[0] or None}, "
+                    f"block_regions={given[1] or None}; another order would not continue the same "
+                    "stream: pass the state's sizes (or leave them to the state: None)"
+                )
+            out[name] = (r, b)
+        return out
+
+    def _check_state_dataset(self, state_dict: dict[str, Any]) -> str | None:
+        """The build a one-dataset state pins (None: an old state without one, warned)."""
+        if "schedule" in state_dict:
+            raise ConfigError(
+                "state was saved for a mixture (it has a 'schedule') but this dataset reads "
+                f"the one dataset {self.job.dataset!r}; pass the mixture to resume it"
+            )
+        if state_dict.get("dataset") != self.job.dataset:
+            raise ConfigError(
+                f"state was saved for dataset={state_dict.get('dataset')!r} but this dataset "
+                f"has dataset={self.job.dataset!r}; resuming would not continue the same stream"
+            )
         fingerprint = state_dict.get("fingerprint")
         if fingerprint is None:
             warnings.warn(
                 "the loaded state carries no dataset fingerprint (saved by an older tokenfeed "
                 "or before the first batch): resuming can not check that the server still "
                 f"has the same build of {self.job.dataset!r}. Save a new state to get the check",
-                stacklevel=2,
+                stacklevel=3,
             )
         elif not isinstance(fingerprint, str) or not fingerprint:
             raise ConfigError(f"state has no valid 'fingerprint': {fingerprint!r}")
-        self.position = position
-        self.fingerprint = fingerprint
+        return fingerprint
+
+    def _check_state_mixture(self, state_dict: dict[str, Any], position: int) -> dict[str, str]:
+        """The source builds a mixture's state pins, once its schedule is known to agree
+        with this dataset's up to the saved position."""
+        assert self.mixture is not None
+        if "schedule" not in state_dict:
+            raise ConfigError(
+                f"state was saved for the one dataset {state_dict.get('dataset')!r}, not a "
+                "mixture: its position is not a place in this mixture's stream"
+            )
+        try:
+            saved = Mixture.from_state(state_dict["schedule"])
+        except TokenFeedError as exc:
+            raise ConfigError(f"state has no valid 'schedule': {exc}") from None
+        try:
+            saved.check_continuation(self.mixture, position)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"this mixture's schedule does not continue the saved one at position "
+                f"{position}: {exc}"
+            ) from None
+        fingerprints = state_dict.get("fingerprints")
+        if not isinstance(fingerprints, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and v for k, v in fingerprints.items()
+        ):
+            raise ConfigError(f"state has no valid 'fingerprints': {fingerprints!r}")
+        unpinned = [n for n in saved.names if n not in fingerprints]
+        if position > 0 and unpinned:
+            warnings.warn(
+                f"the loaded state carries no fingerprint for {unpinned} (saved before the "
+                "first batch): resuming can not check that the server still has the same "
+                "build of them. Save a new state to get the check",
+                stacklevel=3,
+            )
+        return dict(fingerprints)
+
+
+def _check_shuffle(
+    shuffle: object, region_windows: int | None, block_regions: int | None
+) -> tuple[int, int]:
+    """The block sizes to send (0: the server derives them), once the arguments agree."""
+    if shuffle not in SHUFFLE_MODES:
+        raise ConfigError(
+            f"shuffle must be one of {', '.join(map(repr, SHUFFLE_MODES))}, got {shuffle!r}: "
+            "'global' shuffles all windows of an epoch, 'block' a few regions at a time"
+        )
+    sizes = (region_windows, block_regions)
+    if shuffle == "global":
+        if sizes != (None, None):
+            raise ConfigError(
+                'region_windows and block_regions apply to shuffle="block" only; leave them '
+                'out with shuffle="global"'
+            )
+        return 0, 0
+    for name, value in zip(("region_windows", "block_regions"), sizes, strict=True):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
+    return region_windows or 0, block_regions or 0
+
+
+def _welcome_block_sizes(welcome: Welcome, names: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """``(region_windows, block_regions)`` per dataset name, as the welcome says."""
+    if welcome.source_region_windows:
+        pairs = zip(welcome.source_region_windows, welcome.source_block_regions, strict=True)
+        return dict(zip(names, pairs, strict=True))
+    return {names[0]: (welcome.region_windows, welcome.block_regions)}
 
 
 def _several(endpoints: Sequence[str]) -> bool:
@@ -402,6 +646,8 @@ def _from_rows(
     epochs: torch.Tensor,
     eos_id: int | None,
     labels: LabelMode,
+    *,
+    sources: torch.Tensor | None = None,
 ) -> Batch:
     # The model wants contiguous int64 ids: convert straight from the received tokens, one
     # pass each for inputs and labels, and no other copy. Unshifted labels are a copy, not
@@ -414,6 +660,8 @@ def _from_rows(
         "window_ids": window_ids,
         "epoch": epochs,
     }
+    if sources is not None:
+        batch["source"] = sources
     if eos_id is not None:
         position_ids, cu_seqlens = document_fields(input_ids, eos_id)
         batch["position_ids"] = torch.from_numpy(position_ids)
@@ -429,6 +677,7 @@ def _batch(answer: Answer, b: int, batch_size: int, eos_id: int | None, labels: 
         torch.from_numpy(answer.epochs[rows].copy()),
         eos_id,
         labels,
+        sources=None if answer.sources is None else torch.from_numpy(answer.sources[rows].copy()),
     )
 
 
@@ -462,6 +711,8 @@ def _pack(
         "window_ids": torch.from_numpy(rows("window_ids").reshape(n, batch_size)),
         "epoch": torch.from_numpy(rows("epochs").reshape(n, batch_size)),
     }
+    if pieces[0][0].sources is not None:  # a mixture: every answer of the job has them
+        item["source"] = torch.from_numpy(rows("sources").reshape(n, batch_size))
     if eos_id is not None:  # boundaries are computed where the item is unpacked
         item["eos_id"] = torch.tensor(eos_id)
     if labels == "unshifted":  # so is the label mode: the item says which one it wants
@@ -482,8 +733,16 @@ def unpack(item: Batch) -> list[Batch]:
     tokens = item["tokens"].numpy()
     eos_id = int(item["eos_id"]) if "eos_id" in item else None
     labels: LabelMode = "unshifted" if _UNSHIFTED in item else "shifted"
+    sources = item.get("source")
     return [
-        _from_rows(tokens[i], item["window_ids"][i], item["epoch"][i], eos_id, labels)
+        _from_rows(
+            tokens[i],
+            item["window_ids"][i],
+            item["epoch"][i],
+            eos_id,
+            labels,
+            sources=None if sources is None else sources[i],
+        )
         for i in range(tokens.shape[0])
     ]
 

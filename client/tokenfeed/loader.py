@@ -138,11 +138,16 @@ class TokenFeedLoader:
     # state_dict / load_state_dict are exactly torchdata's ``Stateful`` protocol (and the
     # hooks Lightning and torch.distributed.checkpoint look for): keep the signatures.
     def state_dict(self) -> dict[str, Any]:
-        """The resume state: consumed stream position plus the plan inputs it belongs to."""
+        """The resume state: consumed stream position plus the plan inputs it belongs to
+        (the order, the dataset builds, and a mixture's schedule: see
+        :meth:`TokenFeedDataset.state_dict <tokenfeed.dataset.TokenFeedDataset.state_dict>`)."""
         return self.dataset.state_dict(self.position)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from ``state_dict`` at the next ``iter()``."""
+        """Continue from ``state_dict`` at the next ``iter()`` (with any ``num_workers``,
+        ``batch_size`` or ``world_size``; a mixture's schedule may differ after the saved
+        position); raises ConfigError, before changing anything, for a state that does not
+        continue this loader's stream."""
         self.dataset.load_state_dict(state_dict)
         self.position = self.dataset.position
 
