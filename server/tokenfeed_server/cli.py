@@ -16,13 +16,16 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed_server import config as settings
 from tokenfeed_server.admin_cli import add_admin_commands
+
+if TYPE_CHECKING:
+    from tokenfeed_server.store.objects import S3Location
 
 __all__ = ["main"]
 
@@ -47,28 +50,45 @@ def _add_prepare(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p = subparsers.add_parser(
         "prepare",
         help="tokenize a corpus into a pre-shuffled dataset in the store",
-        description="Tokenize INPUT files/directories (.txt, .jsonl, .parquet, .gz/.zst) "
-        "into a globally shuffled dataset, atomically. Every flag has an environment twin "
-        "(shown in brackets); flags win.",
+        description="Tokenize INPUT files/directories (.txt, .jsonl, .parquet, .gz/.zst; "
+        "or s3://BUCKET/PREFIX, downloaded first) into a globally shuffled dataset, "
+        "atomically. With --store s3://BUCKET/PREFIX the dataset is built in --scratch-dir "
+        "and published: files under content-addressed names, the manifest last. AWS "
+        "credentials, region and endpoint (AWS_ENDPOINT_URL) come from the standard AWS "
+        "environment and config files. Every flag has an environment twin (shown in "
+        "brackets); flags win.",
     )
-    p.add_argument("inputs", nargs="*", type=Path, metavar="INPUT")
+    # strings, not Paths: Path("s3://b/k") would collapse to "s3:/b/k"
+    p.add_argument("inputs", nargs="*", metavar="INPUT")
     p.add_argument("--demo", action="store_true", help="use this Python's stdlib sources")
     settings.add_arguments(p, settings.PrepareSettings)
     p.set_defaults(handler=_run_prepare)
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
-    from tokenfeed_server.prepare import PrepareConfig, PrepareStats, demo_corpus_paths, prepare
+    from tokenfeed_server.prepare import (
+        PrepareConfig,
+        PrepareStats,
+        demo_corpus_paths,
+        prepare,
+        prepare_objects,
+    )
+    from tokenfeed_server.store.objects import S3Location, parse_store
 
     s = _settings(settings.PrepareSettings, args)
     if args.demo and args.inputs:
         raise TokenFeedError("give INPUT files or --demo, not both")
-    inputs = tuple(demo_corpus_paths()) if args.demo else tuple(args.inputs)
-    if not inputs:
+    store = parse_store(s.store)
+    parsed = [parse_store(i) for i in args.inputs]
+    local_inputs = tuple(demo_corpus_paths()) if args.demo else ()
+    local_inputs += tuple(i for i in parsed if isinstance(i, Path))
+    s3_inputs = [i for i in parsed if isinstance(i, S3Location)]
+    if not local_inputs and not s3_inputs:
         raise TokenFeedError("no INPUT given (or pass --demo for the built-in demo corpus)")
     config = PrepareConfig(
-        inputs=inputs,
-        store=s.store,
+        inputs=local_inputs,
+        # a remote store is written in a scratch store first (prepare_objects picks it)
+        store=store if isinstance(store, Path) else Path(),
         dataset=s.dataset,
         tokenizer=s.tokenizer,
         seed=s.seed,
@@ -85,10 +105,17 @@ def _run_prepare(args: argparse.Namespace) -> int:
         ray_address=s.ray_address,
     )
     stats = PrepareStats()
-    manifest = prepare(config, stats)
+    if isinstance(store, S3Location) or s3_inputs:
+        remote = store if isinstance(store, S3Location) else None
+        manifest = prepare_objects(
+            config, store=remote, s3_inputs=s3_inputs, scratch_dir=s.scratch_dir, stats=stats
+        )
+    else:
+        manifest = prepare(config, stats)
+    where = store.url(manifest.name) if isinstance(store, S3Location) else store / manifest.name
     c = stats.corpus
     print(
-        f"prepared {config.store / manifest.name}: {manifest.documents:,} documents, "
+        f"prepared {where}: {manifest.documents:,} documents, "
         f"{manifest.total_tokens:,} tokens ({manifest.dtype}), {len(manifest.shards)} shard(s), "
         f"{c.text_bytes / 1e6:.1f} MB of text in {stats.seconds:.1f}s"
     )
@@ -104,17 +131,30 @@ def _add_inspect(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p = subparsers.add_parser(
         "inspect",
         help="print a dataset's manifest summary and verify its checksums",
-        description="Open DIR/NAME (validating every shard), print a summary, verify checksums.",
+        description="Open DIR/NAME (validating every shard), print a summary, verify checksums. "
+        "For s3://BUCKET/PREFIX/NAME: read the manifest and check that every object exists "
+        "with its size; --verify also downloads every piece and checks its checksum.",
     )
-    p.add_argument("path", type=Path, metavar="DIR/NAME")
+    p.add_argument("path", metavar="DIR/NAME")
     p.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="s3://: check every piece's checksum (downloads the dataset); local: the default",
+    )
     p.set_defaults(handler=_run_inspect)
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
     from tokenfeed_server.store import open_dataset
+    from tokenfeed_server.store.objects import S3Location, parse_store
 
-    path: Path = args.path
+    if args.verify and args.no_verify:
+        raise ConfigError("give --verify or --no-verify, not both")
+    target = parse_store(args.path)
+    if isinstance(target, S3Location):
+        return _inspect_remote(target, verify=args.verify)
+    path: Path = target
     with open_dataset(path.parent, path.name) as ds:
         m = ds.manifest
         t = m.tokenizer
@@ -134,6 +174,92 @@ def _run_inspect(args: argparse.Namespace) -> int:
             ds.verify_checksums()
             print("checksums    ok")
     return 0
+
+
+def _inspect_remote(location: S3Location, *, verify: bool) -> int:
+    from tokenfeed_server.store.objects import ObjectStore
+    from tokenfeed_server.store.publish import read_published, verify_published
+
+    parent, name = location.split()
+    store = ObjectStore(parent)
+    m = read_published(store, name)
+    t = m.tokenizer
+    print(f"dataset      {name}  ({store.url(name)})")
+    print(f"fingerprint  {m.fingerprint}")
+    print(f"created      {m.created}")
+    print(f"format       version {m.format_version}, pieces of {m.piece_bytes:,} bytes")
+    print(f"tokenizer    {t.kind}  vocab {t.vocab_size}  eos {t.eos_id}  dtype {m.dtype}")
+    print(f"tokens       {m.total_tokens:,}")
+    print(f"documents    {m.documents:,}")
+    print(f"shuffle seed {m.shuffle_seed}")
+    print(f"shards       {len(m.shards)}")
+    for s in m.shards:
+        print(f"  {s.name}  {s.tokens:>14,} tokens  {s.documents:>10,} docs  {s.checksum}")
+    checked = verify_published(store, name, m, pieces=verify)
+    print("objects      ok (every file present, sizes match)")
+    if verify:
+        n = sum(len(s.pieces) for s in m.shards)
+        print(f"checksums    ok ({n} pieces, {checked:,} bytes)")
+    else:
+        print("checksums    not verified (pass --verify to download and check every piece)")
+    return 0
+
+
+# ---------------------------------------------------------------------------- gc
+
+
+def _add_gc(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "gc",
+        help="delete objects that no current manifest references (s3:// stores)",
+        description="For each dataset under --store s3://BUCKET/PREFIX (or only --dataset), "
+        "delete the objects its current manifest does not name, once they and that manifest "
+        "are older than --grace seconds (a server may still read an old build's shards until "
+        "it notices the new manifest). A local store: remove dead writers' temp directories. "
+        "Every flag has an environment twin (shown in brackets); flags win.",
+    )
+    settings.add_arguments(p, settings.GcSettings)
+    p.set_defaults(handler=_run_gc)
+
+
+def _run_gc(args: argparse.Namespace) -> int:
+    from tokenfeed_server.store.gc import gc_local, gc_objects
+    from tokenfeed_server.store.objects import ObjectStore, parse_store
+
+    s = _settings(settings.GcSettings, args)
+    store = parse_store(s.store)
+    verb = "would delete" if s.dry_run else "deleted"
+    if isinstance(store, Path):
+        if s.dataset is not None:
+            raise ConfigError(
+                "--dataset applies to s3:// stores; a local store's old builds are deleted "
+                "when they are replaced"
+            )
+        removed = gc_local(store, dry_run=s.dry_run)
+        what = "temp directories (live writers' included)" if s.dry_run else "temp directories"
+        print(f"{store}: {verb} {len(removed)} {what}")
+        for path in removed:
+            print(f"  {path.name}")
+        return 0
+    objects = ObjectStore(store)
+    results = gc_objects(objects, name=s.dataset, grace_s=s.grace_s, dry_run=s.dry_run)
+    failed = False
+    for r in results:
+        if r.error:
+            failed = True
+            print(f"{objects.url(r.dataset)}: {r.error}", file=sys.stderr)
+            continue
+        state = "" if r.has_manifest else " (no manifest: an unfinished publish)"
+        print(
+            f"{objects.url(r.dataset)}{state}: {verb} {len(r.deleted)} object(s), "
+            f"{r.deleted_bytes:,} bytes; kept {r.referenced} referenced and {len(r.young)} "
+            f"younger than the grace period"
+        )
+        for info in r.deleted:
+            print(f"  {info.key}  {info.size:,} bytes  {info.modified.isoformat()}")
+    if not results:
+        print(f"{store.url()}: no datasets")
+    return EXIT_ERROR if failed else 0
 
 
 # ---------------------------------------------------------------------------- serve
@@ -199,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_prepare(subparsers)
     _add_inspect(subparsers)
+    _add_gc(subparsers)
     _add_serve(subparsers)
     _add_keygen(subparsers)
     add_admin_commands(subparsers)  # jobs, datasets, status: the HTTP API as tables
@@ -218,6 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:  # boto3 logs every credential lookup at INFO
+        for name in ("botocore", "boto3", "s3transfer", "urllib3"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     handler: Handler = args.handler
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

@@ -9,6 +9,11 @@
 * directories are walked in sorted order; there only known text suffixes are taken
   (``.txt .text .md .rst .jsonl .ndjson .parquet`` and compressed forms), hidden entries
   are skipped.
+* ``s3://BUCKET/PREFIX`` inputs (``prepare`` only) are downloaded first into a scratch
+  directory, mirroring their keys, and read from there as above: a prefix as a
+  directory (only the objects a walk would take are downloaded), a key as a file. The
+  documents' identities (paths relative to the inputs' root) and so the order are those
+  of the same files on local disk.
 
 Bad input (unreadable file, corrupt compression, a line that is not JSON, lacks the field
 or is not a string, bytes that are not UTF-8, a lone surrogate escape such as
@@ -41,6 +46,7 @@ __all__ = [
     "iter_documents",
     "iter_file_records",
     "iter_records",
+    "walked",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,6 +94,17 @@ def expand_inputs(inputs: Sequence[os.PathLike[str] | str]) -> list[Path]:
         else:
             raise PrepareError(f"input {path} does not exist")
     return files
+
+
+def walked(relpath: str) -> bool:
+    """True if walking a directory takes the file at ``relpath`` (POSIX, relative to the
+    directory): no hidden component, a known text suffix. :func:`expand_inputs` takes
+    exactly these, so a prefix in object storage is filtered the same way before download.
+    """
+    parts = relpath.split("/")
+    if any(not part or part.startswith(".") for part in parts):
+        return False
+    return _base_suffix(Path(parts[-1])) in _WALKED
 
 
 def estimate_text_bytes(files: Sequence[Path]) -> int:

@@ -23,6 +23,14 @@ number of workers, how buckets were split, or the engine (``engine="ray"`` runs 
 steps on a Ray cluster: :mod:`tokenfeed_server.prepare_ray`). The writer and all scratch
 files live in ``.tmp-`` directories inside the store, removed on any error or interrupt
 (and, after a SIGKILL, by the next run).
+
+Object storage (:func:`prepare_objects`): ``s3://`` inputs are downloaded into a scratch
+directory first (not streamed: the scatter pass reads each file once, but a download is
+retried and resumable per object, and the same local code then runs unchanged); a
+``s3://`` store gets the dataset written into a scratch store, then published by
+:func:`~tokenfeed_server.store.publish.publish_dataset` (files first, the manifest last).
+The scratch directory (``--scratch-dir``, default the system temp dir) needs room for the
+downloaded inputs, the scratch buckets and the shards, and is removed in every case.
 """
 
 from __future__ import annotations
@@ -36,10 +44,11 @@ import os
 import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,11 +61,14 @@ from tokenfeed_server.corpus import (
     expand_inputs,
     iter_documents,
     iter_records,
+    walked,
 )
 from tokenfeed_server.doc_order import CorpusFiles, corpus_files, document_keys
 from tokenfeed_server.progress import Progress
 from tokenfeed_server.store.format import MANIFEST_NAME
 from tokenfeed_server.store.manifest import Manifest
+from tokenfeed_server.store.objects import ObjectStore, S3Location
+from tokenfeed_server.store.publish import publish_dataset
 from tokenfeed_server.store.reader import validate_dataset_name
 from tokenfeed_server.store.writer import (
     DatasetWriter,
@@ -72,7 +84,9 @@ __all__ = [
     "StoreFull",
     "demo_corpus_paths",
     "document_keys",
+    "download_inputs",
     "prepare",
+    "prepare_objects",
 ]
 
 log = logging.getLogger(__name__)
@@ -403,6 +417,89 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
     stats.seconds = time.perf_counter() - started
     assert (config.store / config.dataset / MANIFEST_NAME).is_file()
     return manifest
+
+
+def prepare_objects(
+    config: PrepareConfig,
+    *,
+    store: S3Location | None = None,
+    s3_inputs: Sequence[S3Location] = (),
+    scratch_dir: Path | None = None,
+    stats: PrepareStats | None = None,
+) -> Manifest:
+    """:func:`prepare` with object storage: inputs from ``s3_inputs`` too (after
+    ``config.inputs``), and the dataset published to ``store`` when given (then
+    ``config.store`` is not used). Returns the manifest as published.
+
+    Checks the bucket and an existing dataset before any work (DatasetExists unless
+    ``config.overwrite``). Nothing is visible in the store unless the whole dataset was
+    uploaded; the scratch directory is removed in every case.
+    """
+    validate_dataset_name(config.dataset)
+    target: ObjectStore | None = None
+    if store is not None:
+        target = ObjectStore(store)
+        target.check_bucket()
+        if not config.overwrite and target.head(f"{config.dataset}/{MANIFEST_NAME}"):
+            raise DatasetExists(
+                f"dataset {config.dataset!r} already exists at {target.url(config.dataset)}; "
+                "pass --overwrite to replace it (its old shards stay until "
+                "tokenfeed-server gc)"
+            )
+    if scratch_dir is not None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="tokenfeed-prepare-", dir=scratch_dir))
+    try:
+        inputs = config.inputs + tuple(download_inputs(s3_inputs, scratch / "inputs"))
+        local = replace(config, inputs=inputs)
+        if target is not None:
+            local = replace(local, store=scratch / "store", overwrite=False)
+        manifest = prepare(local, stats)
+        if target is None:
+            return manifest
+        return publish_dataset(
+            local.store / config.dataset, target, config.dataset, overwrite=config.overwrite
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def download_inputs(inputs: Sequence[S3Location], into: Path) -> list[Path]:
+    """Download ``s3://`` inputs under ``into/BUCKET/KEY``; return the local inputs.
+
+    A location with objects below it (``PREFIX/...``) is a directory: the objects a walk
+    of it would take (:func:`~tokenfeed_server.corpus.walked`) are downloaded. Otherwise
+    it must be one object, a file. Mirroring the keys keeps every document's path
+    relative to the inputs' root, so the order equals a prepare of the same local files.
+    """
+    local: list[Path] = []
+    for location in inputs:
+        bucket = ObjectStore(S3Location(location.bucket))
+        root = into / location.bucket
+        taken = 0
+        listed = bucket.list(f"{location.prefix}/" if location.prefix else "")
+        for info in listed:
+            relative = info.key[len(location.prefix) + 1 :] if location.prefix else info.key
+            if not walked(relative):
+                continue
+            path = root / info.key
+            path.parent.mkdir(parents=True, exist_ok=True)
+            bucket.get_to_file(info.key, path)
+            taken += 1
+        if taken:
+            local.append(root / location.prefix if location.prefix else root)
+            continue
+        if location.prefix and bucket.head(location.prefix) is not None:
+            path = root / location.prefix
+            path.parent.mkdir(parents=True, exist_ok=True)
+            bucket.get_to_file(location.prefix, path)
+            local.append(path)
+            continue
+        raise PrepareError(
+            f"input {location.url()} has no objects to read (neither an object nor a "
+            "prefix with .txt/.jsonl/.parquet/... objects below it)"
+        )
+    return local
 
 
 def check_and_list_inputs(config: PrepareConfig) -> list[Path]:

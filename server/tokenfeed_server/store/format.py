@@ -34,11 +34,12 @@ readers accept every version in :data:`MANIFEST_VERSIONS`:
   shard, ``pieces``: the ``blake2b-128`` hex digest of each piece of the shard *file*,
   piece ``i`` = file bytes ``[i*P, min((i+1)*P, size))`` (the header included), so a
   reader that fetches a shard in pieces (from object storage, into a cache) verifies
-  each piece on its own. The writer hashes pieces while writing: the first piece, which
-  holds the header written last, is hashed from a copy of its body kept in memory
-  (at most P bytes). A v2 fingerprint covers the token stream and the tokenizer, not
-  file names nor the piece size, so the same corpus prepared on local disk and
-  published to object storage (where shard names differ) has the same fingerprint.
+  each piece on its own. The writer hashes pieces while writing, except the first,
+  which holds the header written last: that one piece is read back from the file
+  (page cache) once the header is in. A v2 fingerprint covers the token stream and
+  the tokenizer, not file names nor the piece size, so the same corpus prepared on
+  local disk and published to object storage (where shard names differ) has the same
+  fingerprint.
 
 In object storage a dataset ``NAME`` under ``s3://BUCKET/PREFIX`` is
 ``PREFIX/NAME/manifest.json`` (uploaded last: the only entry point) plus its files under

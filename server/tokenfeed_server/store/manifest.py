@@ -171,7 +171,12 @@ class Manifest:
             raise ManifestError("total_tokens differs from the sum of the shards' tokens")
         if sum(s.documents for s in self.shards) != self.documents:
             raise ManifestError("documents differs from the sum of the shards' documents")
-        names = [s.name for s in self.shards] + list(self.extra_files)
+        # Version 2 names files by content (in object storage), so two equal shards share
+        # one file: a name may repeat for the very same shard, never for another one.
+        by_name = {s.name: s for s in self.shards}
+        same = self.format_version >= 2 and all(by_name[s.name] == s for s in self.shards)
+        shard_names = list(by_name) if same else [s.name for s in self.shards]
+        names = shard_names + list(self.extra_files)
         for name in names:
             if not is_plain_file_name(name):
                 raise ManifestError(f"file name {name!r} in the manifest is not a plain name")

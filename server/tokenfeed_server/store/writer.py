@@ -16,7 +16,7 @@ import hashlib
 import os
 import secrets
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +61,7 @@ _STAGING_PREFIX = ".init-"
 _held_locks: dict[Path, int] = {}
 # add() batches small documents so the per-document cost is a list append, not numpy calls.
 _PENDING_TOKENS = 1 << 20
+_READ_CHUNK = 1 << 16
 
 
 def make_temp_dir(store: str | os.PathLike[str], label: str) -> Path:
@@ -161,14 +162,15 @@ def _exchange(a: Path, b: Path) -> bool:
 class _PieceHasher:
     """The piece digests of a file written front to back, except its header, written last.
 
-    Piece 0 holds the header, known only at the end: the rest of piece 0 is kept (at most
-    ``piece_bytes - HEADER_SIZE`` bytes) and hashed by :meth:`finish` after the header.
-    Every later piece is hashed as its bytes go by: nothing is read back.
+    Every piece but the first is hashed as its bytes go by. Piece 0 holds the header,
+    known only at the end, so :meth:`finish` hashes it from the file then (at most
+    ``piece_bytes``, still in the page cache, read in small chunks): keeping a copy
+    instead would cost a whole piece of memory per shard, as much as prepare's whole
+    budget at its smallest.
     """
 
     def __init__(self, piece_bytes: int) -> None:
         self.piece_bytes = piece_bytes
-        self.first = bytearray()
         self.digests: list[str] = []
         self.current: Any = None  # the hasher of the piece being filled (after piece 0)
         self.offset = HEADER_SIZE  # file offset of the next byte
@@ -178,9 +180,7 @@ class _PieceHasher:
         while len(view):
             piece, within = divmod(self.offset, self.piece_bytes)
             take = min(len(view), self.piece_bytes - within)
-            if piece == 0:
-                self.first += view[:take]
-            else:
+            if piece > 0:
                 if within == 0:
                     if self.current is not None:
                         self.digests.append(self.current.hexdigest())
@@ -189,9 +189,16 @@ class _PieceHasher:
             view = view[take:]
             self.offset += take
 
-    def finish(self, header: bytes) -> tuple[str, ...]:
-        first = hashlib.blake2b(header, digest_size=16)
-        first.update(self.first)
+    def finish(self, pread: Callable[[int, int], bytes]) -> tuple[str, ...]:
+        """All the digests; ``pread(size, offset)`` reads the finished file."""
+        first = hashlib.blake2b(digest_size=16)
+        offset, end = 0, min(self.piece_bytes, self.offset)
+        while offset < end:
+            chunk = pread(min(_READ_CHUNK, end - offset), offset)
+            if not chunk:
+                raise StoreError("shard file shorter than written while hashing its pieces")
+            first.update(chunk)
+            offset += len(chunk)
         tail = [self.current.hexdigest()] if self.current is not None else []
         return (first.hexdigest(), *self.digests, *tail)
 
@@ -206,7 +213,7 @@ class _ShardFile:
         self.starts: list[np.ndarray] = []
         self.hasher = hashlib.blake2b(digest_size=16)
         self.pieces = _PieceHasher(piece_bytes)
-        self.file = path.open("wb")
+        self.file = path.open("w+b")  # read too: piece 0, once the header is in
         self.file.write(b"\0" * HEADER_SIZE)
 
     def write(self, tokens: np.ndarray, starts: np.ndarray) -> None:
@@ -235,14 +242,16 @@ class _ShardFile:
         self.file.seek(0)
         self.file.write(header)
         self.file.flush()
-        os.fsync(self.file.fileno())
+        fd = self.file.fileno()
+        pieces = self.pieces.finish(lambda size, offset: os.pread(fd, size, offset))
+        os.fsync(fd)
         self.file.close()
         return ShardInfo(
             name=self.path.name,
             tokens=self.tokens,
             documents=len(index),
             checksum=f"{CHECKSUM_ALGO}:{self.hasher.hexdigest()}",
-            pieces=self.pieces.finish(header),
+            pieces=pieces,
         )
 
     def close(self) -> None:
