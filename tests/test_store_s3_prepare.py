@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -252,22 +253,29 @@ def test_gc_rules(s3: S3Server, tmp_path: Path) -> None:
 
 
 def test_gc_grace_counts_from_the_manifest(s3: S3Server, tmp_path: Path) -> None:
-    # old shards replaced a moment ago stay for the grace period: a server may read them
+    # Shards uploaded long ago but dropped by a manifest published a moment ago stay for
+    # the grace period: a server may still read them. The clock is moved with `now`; the
+    # sleep only makes the first build's objects older than the second manifest (S3 times
+    # have one-second resolution).
     corpus = _corpus(tmp_path / "corpus", n_files=4)
     store = ObjectStore(S3Location(BUCKET, "p"))
     assert _run("prepare", str(corpus), "--store", str(tmp_path / "l"), "--dataset", "d",
                 "--no-progress", "--shard-tokens", "2000") == 0  # fmt: skip
     publish_dataset(tmp_path / "l" / "d", store, "d")
+    time.sleep(2.5)
     assert _run("prepare", str(corpus), "--store", str(tmp_path / "l"), "--dataset", "d",
                 "--no-progress", "--shard-tokens", "2500", "--overwrite") == 0  # fmt: skip
     new = publish_dataset(tmp_path / "l" / "d", store, "d", overwrite=True)
-    manifest_time = store.head(f"d/{MANIFEST_NAME}")
-    assert manifest_time is not None
-    soon = manifest_time.modified + timedelta(seconds=1800)
-    assert not gc_objects(store, grace_s=3600, now=soon)[0].deleted
-    much_later = manifest_time.modified + timedelta(seconds=3700)
-    gone = gc_objects(store, grace_s=3600, now=much_later)[0].deleted
-    assert gone and all(o.key.startswith("d/shard-") for o in gone)
+    manifest = store.head(f"d/{MANIFEST_NAME}")
+    assert manifest is not None
+    dropped = [o for o in store.list("d/") if o.modified < manifest.modified]
+    assert dropped  # the first build's shards, older than the manifest
+    # every dropped object is older than the grace period, the manifest is not: kept
+    soon = manifest.modified + timedelta(seconds=1)
+    assert not gc_objects(store, grace_s=1.5, now=soon)[0].deleted
+    later = manifest.modified + timedelta(seconds=2)
+    gone = gc_objects(store, grace_s=1.5, now=later)[0].deleted
+    assert sorted(o.key for o in gone) == sorted(o.key for o in dropped)
     assert set(_keys(s3)) == {f"p/d/{s.name}" for s in new.shards} | {"p/d/manifest.json"}
 
 
