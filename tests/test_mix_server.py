@@ -149,10 +149,12 @@ class Wire:
         return reply
 
     def get(
-        self, job: str, rank: int, pos: int, count: int = 1, stride: int = 1
+        self, job: str, rank: int, pos: int, count: int = 1, stride: int = 1, consumed: int = -1
     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         self.req += 1
-        msg = protocol.Get(req=self.req, job=job, rank=rank, pos=pos, count=count, stride=stride)
+        msg = protocol.Get(
+            req=self.req, job=job, rank=rank, pos=pos, count=count, stride=stride, consumed=consumed
+        )
         header, payload = self.ask(msg)
         assert isinstance(header, protocol.Chunk), header
         assert header.req == self.req
@@ -386,6 +388,9 @@ def test_job_ids_cover_the_schedule_and_reduce_weights(server: LiveServer) -> No
         b.close()
 
 
+CONSUMED = 150  # a position the trainer reports having consumed (after the first get)
+
+
 def test_jobs_view_shows_schedule_and_per_source_progress(
     server: LiveServer, opened: dict[str, Dataset]
 ) -> None:
@@ -394,10 +399,11 @@ def test_jobs_view_shows_schedule_and_per_source_progress(
     try:
         welcome = w.welcome(**mixture_hello(mixture, seed=SEED + 7))
         w.get(welcome.job, 0, 0, count=40)
-        w.get(welcome.job, 1, 0, count=40)
+        w.get(welcome.job, 1, 0, count=40, consumed=CONSUMED)
     finally:
         w.close()
     position = 40 * BATCH * WORLD
+    taken = mixture.counts(CONSUMED)
     job: dict[str, Any] = {}
     for _ in range(100):  # the snapshot refreshes every 0.5 s
         jobs = httpx.get(
@@ -420,6 +426,8 @@ def test_jobs_view_shows_schedule_and_per_source_progress(
     for p, n, c in zip(progress, NAMES, counts, strict=True):
         windows = (opened[n].n_tokens - 1) // SEQ
         assert p["rows_served"] == c and p["epoch"] == c // windows
+        assert p["consumed_rows"] == taken[NAMES.index(n)]
+        assert p["consumed_epoch"] == taken[NAMES.index(n)] // windows
         assert p["epoch_windows"] == windows and p["fingerprint"] == opened[n].fingerprint
     assert progress[2]["epoch"] >= 1  # math wrapped around on its own
     assert job["epoch_windows"] == sum(p["epoch_windows"] for p in progress)
