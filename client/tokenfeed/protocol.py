@@ -88,8 +88,11 @@ Shuffle
 :class:`tokenfeed.plan.Plan`). Under ``"block"`` a size of 0 asks the server to derive it
 from the dataset's shards (``default_block_sizes``); the ``welcome`` says the sizes used
 (``region_windows``/``block_regions`` for one dataset, ``source_region_windows``/
-``source_block_regions`` per source of a mixture: each source derives its own), and a
-client resuming a run sends those sizes back so that the order cannot change under it.
+``source_block_regions`` per source of a mixture). A size the hello sets applies to every
+source of a mixture; one left at 0 is derived per source. Derived sizes are a pure
+function of the build's shard sizes and ``seq_len`` (never of a server's cache), so a
+pinned build keeps them; a single-dataset client resuming a run may send them back to
+pin them outright.
 
 Progress
 --------
