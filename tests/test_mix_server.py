@@ -55,6 +55,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
                   shard_tokens=2003)  # fmt: skip
     write_dataset(root, "math", docs(200, 256, 31, 3), tokenizer=BYTE, shuffle_seed=3,
                   shard_tokens=701)  # fmt: skip
+    write_dataset(root, "tiny", [np.arange(10, dtype=np.uint16)], tokenizer=BYTE, shuffle_seed=0)
     other = TokenizerInfo(kind="hf", vocab_size=300, eos_id=299)
     write_dataset(root, "odd", docs(0, 299, 40, 4), tokenizer=other, shuffle_seed=4)
     # Text prepared by the real prepare: bpe-web trains a BPE, bpe-code reuses its
@@ -364,6 +365,8 @@ def test_bad_schedules_and_unknown_sources_are_refused(wire: Wire) -> None:
     # four largest periods fit; a weighting used again costs nothing more
     light = (*((k * 10, 65535 - 2 * k, 1 + 2 * k) for k in range(4)), (40, 65535, 1))
     assert isinstance(wire.hello(sources=("web", "code"), schedule=light), protocol.Welcome)
+    err = wire.refusal(sources=("web", "tiny"), schedule=((0, 1, 1),))
+    assert err.code == "bad_request" and "mixture source 'tiny'" in err.message
     err = wire.refusal(sources=("web", "nope"), schedule=((0, 1, 1),))
     assert err.code == "unknown_dataset" and "'nope'" in err.message
     err = wire.refusal(dataset="web", sources=("web", "code"), schedule=((0, 1, 1),))
@@ -388,6 +391,21 @@ def test_job_ids_cover_the_schedule_and_reduce_weights(server: LiveServer) -> No
         b.close()
 
 
+def job_view(server: LiveServer, jid: str, position: int) -> dict[str, Any]:
+    """Job ``jid`` from /v1/jobs once the snapshot shows it at ``position`` (bounded)."""
+    job: dict[str, Any] = {}
+    for _ in range(100):  # the snapshot refreshes every 0.5 s
+        jobs = httpx.get(
+            server.http + "/v1/jobs", headers={"Authorization": f"Bearer {ALL}"}, timeout=10
+        ).json()
+        job = next((j for j in jobs if j["id"] == jid), {})
+        if job.get("position") == position:
+            break
+        time.sleep(0.1)
+    assert job.get("position") == position, job
+    return job
+
+
 CONSUMED = 150  # a position the trainer reports having consumed (after the first get)
 
 
@@ -404,16 +422,7 @@ def test_jobs_view_shows_schedule_and_per_source_progress(
         w.close()
     position = 40 * BATCH * WORLD
     taken = mixture.counts(CONSUMED)
-    job: dict[str, Any] = {}
-    for _ in range(100):  # the snapshot refreshes every 0.5 s
-        jobs = httpx.get(
-            server.http + "/v1/jobs", headers={"Authorization": f"Bearer {ALL}"}, timeout=10
-        ).json()
-        job = next((j for j in jobs if j["id"] == welcome.job), {})
-        if job.get("position") == position:
-            break
-        time.sleep(0.1)
-    assert job.get("position") == position, job
+    job = job_view(server, welcome.job, position)
     assert job["dataset"] == "web+code+math" and job["sources"] == list(NAMES)
     assert job["schedule"] == [
         {"start": 0, "weights": {"web": 2, "code": 1, "math": 1}},
@@ -441,7 +450,9 @@ def shards(ds: Dataset) -> list[int]:
     return [s.tokens for s in ds.manifest.shards]
 
 
-def test_block_shuffle_job_serves_the_block_order(wire: Wire, opened: dict[str, Dataset]) -> None:
+def test_block_shuffle_job_serves_the_block_order(
+    server: LiveServer, wire: Wire, opened: dict[str, Dataset]
+) -> None:
     ds = opened["web"]
     welcome = wire.welcome(dataset="web", shuffle="block")
     sizes = default_block_sizes(shards(ds), SEQ)
@@ -457,6 +468,10 @@ def test_block_shuffle_job_serves_the_block_order(wire: Wire, opened: dict[str, 
         assert protocol.ROW_SOURCE not in rows
         other, _ = global_plan.windows(global_plan.rank_positions(rank, pos, count, stride))
         assert ids.tolist() != other.tolist()  # really another order
+    job = job_view(server, welcome.job, 1000 + 6 * 3 * BATCH * WORLD + BATCH * WORLD)
+    assert (job["shuffle"], job["region_windows"], job["block_regions"]) == ("block", *sizes)
+    assert job["sources"] is job["schedule"] is job["source_progress"] is None
+    assert job["dataset"] == "web"
 
     explicit = wire.welcome(dataset="web", shuffle="block", region_windows=7, block_regions=3)
     assert (explicit.region_windows, explicit.block_regions) == (7, 3)
