@@ -30,6 +30,41 @@ Resume
     sequence a never-interrupted run would have produced. ``P`` need not be a multiple of
     either job's ``G``: positions, not step numbers, are what count.
 
+Block shuffle (``shuffle="block"``)
+    For datasets larger than a server's cache, the global shuffle reads the whole dataset
+    in every stretch of the stream. The block shuffle keeps the same guarantees (every
+    window exactly once per epoch, a new order each epoch, O(1) memory, a pure function
+    of the position, so resume is one integer) while bounding what a stretch reads. The
+    ``W`` windows are cut into *regions* of ``R = region_windows`` consecutive windows,
+    region ``r`` = windows ``[r*R, min((r+1)*R, W))`` (``M = ceil(W/R)`` regions; only
+    the last may be shorter); a region is about one shard of the store (see
+    :func:`default_block_sizes`). Each epoch:
+
+    - the regions are permuted: slot ``s`` of the epoch's region sequence holds a region
+      drawn by a keyed permutation of ``(seed, epoch)``, domain-separated from every
+      other key. The short last region sits at a slot ``S`` hashed from
+      ``(seed, epoch)``; the other slots hold ``permute(s', M-1, ...)`` of the ``M - 1``
+      full regions (``s'`` = ``s`` with ``S`` skipped). Placing the one short region
+      directly, instead of inverting the permutation to find it, keeps every block's size
+      and first position O(1) to compute;
+    - the slots are grouped into *blocks* of ``K = block_regions`` consecutive slots
+      (``ceil(M/K)`` blocks; the last may hold fewer regions). The epoch's positions go
+      to the blocks in order: block ``b`` covers the local positions
+      ``[b*K*R - d*[S//K < b], ...)`` for a block of ``K*R - d*[S//K == b]`` windows
+      (``d`` = the short region's missing windows), so a position's block is O(1);
+    - inside a block, the positions are a keyed permutation (key from the seed and the
+      block's serial number in the stream, ``epoch * blocks + b``) of the block's windows
+      taken across all its regions, so consecutive rows mix ``K`` regions.
+
+    Trade-off: every window of a region lands within one block of the stream (at most
+    ``K*R`` positions apart), and a stretch of the stream reads only its block's ``K``
+    regions, so a server can prefetch the next block's regions (:meth:`Plan.block_spans`)
+    and keep only a few blocks cached; the price is less mixing: rows near each other in
+    the stream come from at most ``K`` (occasionally ``2K``) regions instead of the whole
+    dataset, and a window's neighbours within an epoch are biased towards its own block.
+    Pick ``K`` large enough that ``K`` regions are a good sample of the data (regions are
+    contiguous in the source order, so a region is usually one source file's worth).
+
 The permutation
     :func:`permute` is a keyed bijection on ``[0, n)``: a Feistel network on the
     smallest power-of-two domain ``2**b >= n`` (``b >= 2``), restricted to ``[0, n)`` by
@@ -63,9 +98,10 @@ Why it is unbiased
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from functools import cached_property
+from typing import Final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -76,7 +112,9 @@ __all__ = [
     "INT64_MAX",
     "ROUNDS",
     "SMALL_ROUNDS",
+    "SHUFFLES",
     "Plan",
+    "default_block_sizes",
     "permute",
     "splitmix64",
     "step_position",
@@ -94,7 +132,18 @@ ROUNDS = 6
 #: there (chi-square over 4000 seeds, ~6 sigma at n = 5). Cheap: such datasets are tiny.
 SMALL_ROUNDS = 12
 
+#: The shuffle modes of a :class:`Plan`.
+SHUFFLES: Final = ("global", "block")
+#: Regions per block when the trainer leaves ``block_regions`` at 0.
+DEFAULT_BLOCK_REGIONS: Final = 4
+
 _MASK64 = UINT64_MAX
+# Domain separation of the block shuffle's keys (ASCII tags, xored into the seed before it
+# is mixed), so the region order, the short region's slot and the in-block orders are
+# independent of each other and of the global shuffle's keys for the same seed.
+_TAG_REGIONS = 0x7466_2E72_6567_696F  # "tf.regio"
+_TAG_SHORT = 0x7466_2E73_686F_7274  # "tf.short"
+_TAG_BLOCK = 0x7466_2E62_6C6F_636B  # "tf.block"
 _GOLDEN = 0x9E3779B97F4A7C15
 # Multipliers of the round function (odd, from splitmix64 / murmur3's fmix64).
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -208,6 +257,18 @@ def _permute_checked(
         keys = [table[inv, r] for r in range(rounds)]
     else:
         keys = [np.full(1, k, dtype=np.uint64) for k in _round_keys(seed, epoch, rounds)]
+    _encrypt(x, n, bits, keys, per_element)
+    return x.astype(np.int64).reshape(shape)
+
+
+def _encrypt(
+    x: npt.NDArray[np.uint64],
+    n: int,
+    bits: int,
+    keys: list[npt.NDArray[np.uint64]],
+    per_element: bool,
+) -> None:
+    """Encrypt ``x`` (values in [0, n)) in place by the cycle-walking Feistel network."""
     _feistel(x, bits, keys)
     nn = np.uint64(n)
     out = np.flatnonzero(x >= nn)
@@ -218,7 +279,6 @@ def _permute_checked(
         _feistel(sub, bits, sub_keys)
         x[out] = sub
         out = out[sub >= nn]
-    return x.astype(np.int64).reshape(shape)
 
 
 def permute(index: npt.ArrayLike, n: int, seed: int, epoch: int | npt.ArrayLike) -> IntArray:
@@ -262,6 +322,193 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> int:
     return v
 
 
+U64Array = npt.NDArray[np.uint64]
+# Above this many runs of distinct block serials in one call, round keys are derived per
+# row by vectorized splitmix64 instead of a Python-built table gathered per row.
+_KEY_TABLE_RUNS = 64
+
+
+def _tweak_keys(seed: int, tweak: U64Array, rounds: int) -> tuple[list[U64Array], bool]:
+    """The round keys ``_round_keys(seed, t, rounds)`` of every row's tweak ``t``, and
+    whether they differ per row (else each key is a 1-element array)."""
+    t0 = int(tweak[0])
+    if int(tweak.min()) == int(tweak.max()):
+        return [np.full(1, k, dtype=np.uint64) for k in _round_keys(seed, t0, rounds)], False
+    # Rows usually come as a few runs of one block each: a small table, gathered per row.
+    cuts = np.flatnonzero(tweak[1:] != tweak[:-1]) + 1
+    if cuts.size < _KEY_TABLE_RUNS:
+        starts = np.concatenate([np.zeros(1, dtype=np.int64), cuts])
+        table = np.array(
+            [_round_keys(seed, int(tweak[i]), rounds) for i in starts.tolist()], dtype=np.uint64
+        )
+        lengths = np.diff(np.append(starts, tweak.size))
+        run = np.repeat(np.arange(starts.size), lengths)
+        return [table[run, r] for r in range(rounds)], True
+    # Many small blocks: the same keys, computed per row (splitmix64 wraps like _mix64).
+    with np.errstate(over="ignore"):
+        base = splitmix64(np.uint64(splitmix64(seed)) ^ tweak)
+        keys = [splitmix64(base + np.uint64(r * _GOLDEN & _MASK64)) for r in range(rounds)]
+    return keys, True
+
+
+def _permute_sized(index: U64Array, size: U64Array, seed: int, tweak: U64Array) -> U64Array:
+    """``permute(index[i], size[i], seed, tweak[i])`` for every row, vectorized: rows are
+    grouped by domain size (a block shuffle has at most four block sizes)."""
+    out = np.zeros_like(index)
+    lo, hi = int(size.min()), int(size.max())
+    groups: list[tuple[int, npt.NDArray[np.intp] | None]]
+    if lo == hi:
+        groups = [(lo, None)]
+    else:
+        groups = [(int(n), np.flatnonzero(size == n)) for n in np.unique(size)]
+    for n, sel in groups:
+        if n == 1:
+            continue  # a one-window block: position 0 (out is zero already)
+        x = index.copy() if sel is None else index[sel]
+        tw = tweak if sel is None else tweak[sel]
+        bits = _domain_bits(n)
+        keys, per_element = _tweak_keys(seed, tw, _rounds(bits))
+        _encrypt(x, n, bits, keys, per_element)
+        if sel is None:
+            return x
+        out[sel] = x
+    return out
+
+
+@dataclass(frozen=True)
+class _BlockLayout:
+    """The block shuffle's sizes and keys for one (W, R, K, seed); see the module docstring.
+
+    All per-row arithmetic is uint64: a position's offset plus the short region's deficit
+    may exceed int64 when W is near 2**63.
+    """
+
+    w: int  # windows
+    r: int  # windows per region, at most w
+    m: int  # regions, ceil(w / r)
+    last: int  # windows of the last region (1..r)
+    d: int  # r - last: windows the short region lacks
+    k: int  # regions per block, at most m
+    kr: int  # k * r: windows of a full block
+    nb: int  # blocks per epoch, ceil(m / k)
+    seed_regions: int
+    seed_short: int
+    seed_block: int
+
+    @staticmethod
+    def of(w: int, region_windows: int, block_regions: int, seed: int) -> _BlockLayout:
+        r = max(1, min(region_windows, w))
+        m = -(-w // r)
+        last = w - (m - 1) * r
+        k = max(1, min(block_regions, m))
+        return _BlockLayout(
+            w=w,
+            r=r,
+            m=m,
+            last=last,
+            d=r - last,
+            k=k,
+            kr=k * r,
+            nb=-(-m // k),
+            seed_regions=splitmix64(seed ^ _TAG_REGIONS),
+            seed_short=splitmix64(seed ^ _TAG_SHORT),
+            seed_block=splitmix64(seed ^ _TAG_BLOCK),
+        )
+
+    def short_slot(self, epochs: U64Array) -> U64Array:
+        """The slot of the short (last) region in each epoch's region sequence."""
+        mixed = splitmix64(np.uint64(self.seed_short) ^ epochs)
+        slot: U64Array = mixed % np.uint64(self.m)
+        return slot
+
+    def regions_at(self, slots: U64Array, short: U64Array, epochs: IntArray) -> U64Array:
+        """The region in slot ``slots`` of epoch ``epochs`` (the short one at ``short``)."""
+        m1 = np.uint64(self.m - 1)
+        if self.m == 1:
+            return np.zeros_like(slots)
+        is_short = slots == short
+        # Skip the short region's slot; the short slot itself gets a dummy in-range index.
+        index = np.where(slots > short, slots - np.uint64(1), slots)
+        index[is_short] = 0
+        full = _permute_checked(index, self.m - 1, self.seed_regions, epochs)
+        regions: U64Array = np.where(is_short, m1, full.astype(np.uint64))
+        return regions
+
+    def locate(
+        self, local: U64Array, short: U64Array
+    ) -> tuple[U64Array, U64Array, U64Array, U64Array]:
+        """Epoch-local positions to (block, offset in block, block size, short region's
+        index in the block, ``k`` where the block has no short region)."""
+        u = np.uint64
+        k, r, kr, d = u(self.k), u(self.r), u(self.kr), u(self.d)
+        m = u(self.m)
+        short_block = short // k
+        if self.d:
+            # Positions after the short region's block come d windows earlier.
+            end = short_block * kr + np.minimum(k, m - short_block * k) * r - d
+            shifted = np.where(local >= end, local + d, local)
+        else:
+            shifted = local
+        block = shifted // kr
+        offset = shifted - block * kr
+        size = np.minimum(k, m - block * k) * r
+        in_block = block == short_block
+        if self.d:
+            size = np.where(in_block, size - d, size)
+        first_slot = block * k
+        short_index = np.where(in_block, short, first_slot + k) - first_slot
+        return block, offset, size, short_index
+
+    def windows(self, local: IntArray, epochs: IntArray) -> IntArray:
+        """Window ids of epoch-local positions ``local`` of epochs ``epochs`` (int64)."""
+        shape = local.shape
+        if local.size == 0:
+            return np.zeros(shape, dtype=np.int64)
+        u = np.uint64
+        loc = local.reshape(-1).astype(np.uint64)
+        ep = epochs.reshape(-1)
+        epu = ep.astype(np.uint64)
+        short = self.short_slot(epu)
+        block, offset, size, short_index = self.locate(loc, short)
+        # The block's serial number in the stream keys its order: unique per (epoch,
+        # block) and below (epoch + 1) * W <= 2**64.
+        serial = epu * u(self.nb) + block
+        j = _permute_sized(offset, size, self.seed_block, serial)
+        r = u(self.r)
+        if self.d:
+            # Index j of the block's windows: regions in slot order, the short one `last`
+            # windows long; past it, shift by d to land on a full-region grid.
+            j = np.where(j >= short_index * r + u(self.last), j + u(self.d), j)
+        within, off = np.divmod(j, r)
+        regions = self.regions_at(block * u(self.k) + within, short, ep)
+        ids: IntArray = (regions * r + off).astype(np.int64).reshape(shape)
+        return ids
+
+    def block_regions_from(self, position: int, blocks: int) -> U64Array:
+        """Sorted distinct regions of the stream's block holding ``position`` and the next
+        ``blocks - 1`` blocks (fewer where the stream ends at 2**63 - 1)."""
+        if self.nb == 1 or blocks > 2 * self.nb:
+            # One block per epoch, or a whole epoch in range: every region.
+            return np.arange(self.m, dtype=np.uint64)
+        epoch, local = divmod(position, self.w)
+        one = np.ones(1, dtype=np.uint64)
+        short = self.short_slot(one * np.uint64(epoch))
+        block = int(self.locate(one * np.uint64(local), short)[0][0])
+        found: list[U64Array] = []
+        for _ in range(blocks):
+            if block == self.nb:
+                epoch, block = epoch + 1, 0
+                if epoch * self.w > INT64_MAX:
+                    break  # the stream ends before this epoch
+                short = self.short_slot(one * np.uint64(epoch))
+            stop = min((block + 1) * self.k, self.m)
+            slots = np.arange(block * self.k, stop, dtype=np.uint64)
+            ep = np.full(slots.size, epoch, dtype=np.int64)
+            found.append(self.regions_at(slots, np.repeat(short, slots.size), ep))
+            block += 1
+        return np.unique(np.concatenate(found))
+
+
 @dataclass(frozen=True)
 class Plan:
     """The order of one job over one dataset: windows, epochs, ranks, steps.
@@ -269,6 +516,11 @@ class Plan:
     ``n_tokens`` is the dataset's token count, ``seq_len`` the window's input length
     (a window holds ``seq_len + 1`` tokens), ``batch_size`` the rows per rank and step,
     ``world_size`` the number of ranks, ``seed`` the shuffle seed (a uint64).
+
+    ``shuffle`` is ``"global"`` (every epoch a permutation of all windows; then
+    ``region_windows`` and ``block_regions`` stay 0) or ``"block"`` (see the module
+    docstring; regions of ``region_windows`` windows, visited ``block_regions`` at a
+    time, both >= 1; :func:`default_block_sizes` derives them from a store's shards).
     """
 
     n_tokens: int
@@ -276,6 +528,9 @@ class Plan:
     batch_size: int
     world_size: int = 1
     seed: int = 0
+    shuffle: str = "global"
+    region_windows: int = 0
+    block_regions: int = 0
 
     def __post_init__(self) -> None:
         seq_len = _check_int("seq_len", self.seq_len, 1, INT64_MAX)
@@ -283,6 +538,21 @@ class Plan:
         world_size = _check_int("world_size", self.world_size, 1, INT64_MAX)
         seed = _check_int("seed", self.seed, 0, UINT64_MAX)
         n_tokens = _check_int("n_tokens", self.n_tokens, 0, INT64_MAX)
+        if not isinstance(self.shuffle, str) or self.shuffle not in SHUFFLES:
+            raise PlanError(f"shuffle must be 'global' or 'block', got {self.shuffle!r}")
+        region_windows = _check_int("region_windows", self.region_windows, 0, INT64_MAX)
+        block_regions = _check_int("block_regions", self.block_regions, 0, INT64_MAX)
+        if self.shuffle == "global" and (region_windows or block_regions):
+            raise PlanError(
+                "region_windows and block_regions apply to shuffle='block' only; leave "
+                f"them 0 with the global shuffle (got {region_windows} and {block_regions})"
+            )
+        if self.shuffle == "block" and (region_windows < 1 or block_regions < 1):
+            raise PlanError(
+                "shuffle='block' needs region_windows >= 1 and block_regions >= 1 (got "
+                f"{region_windows} and {block_regions}); default_block_sizes(shard_tokens, "
+                "seq_len) derives them from the dataset's shards"
+            )
         if n_tokens < seq_len + 1:
             raise PlanError(
                 f"the dataset has {n_tokens} tokens, fewer than one window of "
@@ -300,6 +570,8 @@ class Plan:
             ("batch_size", batch_size),
             ("world_size", world_size),
             ("seed", seed),
+            ("region_windows", region_windows),
+            ("block_regions", block_regions),
         ):
             object.__setattr__(self, name, v)
 
@@ -313,17 +585,57 @@ class Plan:
         """``G = world_size * batch_size``: stream positions per global step."""
         return self.world_size * self.batch_size
 
+    @property
+    def order_key(self) -> tuple[str, int, int, int, int]:
+        """Everything :meth:`windows` depends on, hashable: ``(shuffle, n_windows, seed,
+        region_windows, block_regions)``. Plans with equal keys give the same order (a
+        cache of window ids may be shared between them); the batch and world sizes only
+        say which positions a rank reads, not what a position holds."""
+        return (self.shuffle, self.n_windows, self.seed, self.region_windows, self.block_regions)
+
+    @cached_property
+    def _layout(self) -> _BlockLayout:
+        return _BlockLayout.of(self.n_windows, self.region_windows, self.block_regions, self.seed)
+
     def windows(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """Stream positions to ``(window_ids, epochs)``, both int64 of the same shape.
 
-        ``epoch = p // W`` and ``window = permute(p % W, W, seed, epoch)``.
+        ``epoch = p // W``; globally ``window = permute(p % W, W, seed, epoch)``, in block
+        mode the block shuffle of the module docstring.
         """
         p = _int_array(positions, "positions")
         if p.size and (int(p.min()) < 0 or int(p.max()) > INT64_MAX):
             raise PlanError("stream positions must lie in [0, 2**63 - 1]")
         p = p.astype(np.int64, copy=False)
         epochs, local = np.divmod(p, np.int64(self.n_windows))
+        if self.shuffle == "block":
+            return self._layout.windows(local, epochs), epochs
         return _permute_checked(local, self.n_windows, self.seed, epochs), epochs
+
+    def block_spans(self, position: int, blocks: int = 2) -> list[tuple[int, int]]:
+        """Token spans ``[start, stop)``, merged and sorted, that the block of the stream
+        holding ``position`` and the next ``blocks - 1`` blocks read (crossing into the
+        next epoch as needed): the union of their regions' windows' tokens, window ``w``
+        reading ``[w*L, w*L + L + 1)``. What a server prefetches. With the global
+        shuffle any stretch reads the whole dataset: ``[(0, n_tokens)]``.
+        """
+        position = _check_int("position", position, 0, INT64_MAX)
+        blocks = _check_int("blocks", blocks, 1, INT64_MAX)
+        if self.shuffle == "global":
+            return [(0, self.n_tokens)]
+        regions = self._layout.block_regions_from(position, blocks)
+        lay, seq_len = self._layout, self.seq_len
+        first_window = regions * np.uint64(lay.r)
+        length = np.where(regions == np.uint64(lay.m - 1), lay.last, lay.r).astype(np.uint64)
+        starts = (first_window * np.uint64(seq_len)).tolist()
+        stops = ((first_window + length) * np.uint64(seq_len) + np.uint64(1)).tolist()
+        spans: list[tuple[int, int]] = []
+        for start, stop in zip(starts, stops, strict=True):  # sorted by region, hence by start
+            if spans and start <= spans[-1][1]:  # neighbours share a token: merge
+                spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+            else:
+                spans.append((start, stop))
+        return spans
 
     def rank_positions(self, rank: int, pos: int, count: int = 1, stride: int = 1) -> IntArray:
         """Stream positions of rank ``rank``'s rows in ``count`` global batches.
@@ -370,6 +682,28 @@ class Plan:
             raise PlanError(f"window ids must lie in [0, {self.n_windows})")
         starts: IntArray = w.astype(np.int64, copy=False) * np.int64(self.seq_len)
         return starts
+
+
+def default_block_sizes(shard_tokens: Sequence[int], seq_len: int) -> tuple[int, int]:
+    """``(region_windows, block_regions)`` for a dataset whose shards hold ``shard_tokens``
+    tokens each, when the trainer leaves them at 0: a region is about one shard's windows
+    (the largest shard's, i.e. the size the writer cuts at, so a region spans one or two
+    shards), a block :data:`DEFAULT_BLOCK_REGIONS` regions, or all of them when there are
+    fewer. Pure: the same store and ``seq_len`` give the same sizes on every server,
+    whatever its cache size.
+    """
+    seq_len = _check_int("seq_len", seq_len, 1, INT64_MAX)
+    tokens = [_check_int(f"shard_tokens[{i}]", t, 0, INT64_MAX) for i, t in enumerate(shard_tokens)]
+    total = sum(tokens)
+    if total < seq_len + 1:
+        raise PlanError(
+            f"the dataset's shards hold {total} tokens, fewer than one window of "
+            f"seq_len + 1 = {seq_len + 1}; use a shorter seq_len or a larger dataset"
+        )
+    n_windows = (total - 1) // seq_len
+    region = min(n_windows, max(1, max(tokens) // seq_len))
+    regions = -(-n_windows // region)
+    return region, min(DEFAULT_BLOCK_REGIONS, regions)
 
 
 def step_position(start: int, step: int, global_batch: int) -> int:
