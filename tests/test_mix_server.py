@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -502,3 +503,40 @@ def test_block_shuffle_mixture_derives_sizes_per_source(
     assert rows["source"].tolist() == want[3].tolist()
     assert rows["window"].tolist() == want[1].tolist()
     assert np.array_equal(tokens, want[0])
+
+
+def test_random_mixture_hellos_get_an_answer_never_an_internal_error(
+    server: LiveServer, wire: Wire
+) -> None:
+    """Hellos with random sources (known, unknown, forbidden-kind, duplicated), schedules
+    and shuffle settings: each gets a welcome or a refusal with a client-side code."""
+    rng = random.Random(13)
+    pool = [*NAMES, "odd", "tiny", "bpe-web", "nope", "x.y"]
+    codes: dict[str, int] = {}
+    for _ in range(300):
+        names = rng.sample(pool, rng.randint(1, 4))
+        if rng.random() < 0.1:
+            names.append(names[0])
+        rows = []
+        start = rng.choice([0, 0, 0, 3])
+        for _ in range(rng.randint(1, 4)):
+            weights = [rng.choice([0, 1, 2, 7, 1000, 70000]) for _ in names]
+            rows.append((start, *weights))
+            start += rng.choice([1, 100, 0, -1])
+        shuffle = rng.choice(["global", "block"])
+        sizes = [rng.choice([0, 0, 1, 5]) for _ in range(2)] if shuffle == "block" else [0, 0]
+        raw: dict[str, Any] = {
+            "v": protocol.VERSION, "t": "hello", "dataset": "", "seq_len": SEQ,
+            "batch_size": BATCH, "seed": rng.randrange(2**64), "world_size": WORLD,
+            "rank": 0, "worker": 0, "window": 4, "client": "random", "sources": names,
+            "schedule": rows, "shuffle": shuffle, "region_windows": sizes[0],
+            "block_regions": sizes[1],
+        }  # fmt: skip
+        wire.sock.send(msgpack.packb(raw))
+        assert wire.sock.poll(10_000)
+        reply = protocol.decode_header(wire.sock.recv_multipart()[0])
+        code = reply.code if isinstance(reply, protocol.Err) else reply.TYPE
+        codes[code] = codes.get(code, 0) + 1
+    assert set(codes) <= {"welcome", "bad_request", "unknown_dataset"}, codes
+    assert codes.get("welcome", 0) >= 3 and codes.get("bad_request", 0) > 50, codes
+    assert server.get("/readyz").status_code == 200
