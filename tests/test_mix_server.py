@@ -29,6 +29,7 @@ from tokenfeed.mixture import Mixture, source_seed
 from tokenfeed.plan import Plan, default_block_sizes
 from tokenfeed_server.prepare import PrepareConfig, prepare
 from tokenfeed_server.store import Dataset, TokenizerInfo, open_dataset, write_dataset
+from tokenfeed_server.store.mixing import MAX_LABEL, Feed, Source
 
 pytestmark = pytest.mark.network
 
@@ -540,3 +541,16 @@ def test_random_mixture_hellos_get_an_answer_never_an_internal_error(
     assert set(codes) <= {"welcome", "bad_request", "unknown_dataset"}, codes
     assert codes.get("welcome", 0) >= 3 and codes.get("bad_request", 0) > 50, codes
     assert server.get("/readyz").status_code == 200
+
+
+def test_a_long_mixture_label_is_cut_saying_how_many_sources_are_left_out(
+    opened: dict[str, Dataset],
+) -> None:
+    plan = Plan(opened["web"].n_tokens, SEQ, BATCH)
+    names = [f"source-{i:03d}-{'x' * 20}" for i in range(30)]
+    feed = Feed(tuple(Source(n, opened["web"], plan) for n in names))
+    assert len(feed.label) <= MAX_LABEL and feed.label.startswith(names[0] + "+")
+    shown = feed.label.split("+...(")[0].split("+")
+    assert shown == names[: len(shown)] and feed.label.endswith(f"({30 - len(shown)} more)")
+    short = Feed(tuple(Source(n, opened["web"], plan) for n in NAMES))
+    assert short.label == "web+code+math"

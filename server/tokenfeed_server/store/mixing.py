@@ -35,7 +35,7 @@ from tokenfeed.plan import Plan, default_block_sizes
 from tokenfeed_server.store.reader import Dataset
 from tokenfeed_server.store.serving import _row_buffers, _window_blocks, assemble
 
-__all__ = ["MAX_TABLE_ROWS", "Feed", "Source", "open_feed"]
+__all__ = ["MAX_LABEL", "MAX_TABLE_ROWS", "Feed", "Source", "open_feed"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -44,6 +44,8 @@ IntArray = npt.NDArray[np.int64]
 #: hello cannot make the server spend seconds and gigabytes on one schedule. Four
 #: segments of the largest period fit.
 MAX_TABLE_ROWS = 4 * MAX_PERIOD
+#: A mixture's :attr:`Feed.label` is cut near this many characters (it is a metric label).
+MAX_LABEL = 200
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,20 @@ class Feed:
         """The sources' dataset names (a mixture's in ``Mixture.names`` order)."""
         return tuple(s.name for s in self.sources)
 
-    @property
+    @cached_property
     def label(self) -> str:
-        """A human name for logs and labels: the dataset, or a mixture's joined by ``+``
-        (never a dataset name: ``+`` is not allowed in one)."""
-        return "+".join(self.names)
+        """A human name for logs, errors and metric labels: the dataset, or a mixture's
+        joined by ``+`` (never a dataset name: ``+`` is not allowed in one), cut to about
+        :data:`MAX_LABEL` characters with the number of sources left out."""
+        label = "+".join(self.names)
+        if len(label) <= MAX_LABEL:
+            return label
+        shown: list[str] = []
+        for name in self.names:
+            if len("+".join([*shown, name])) > MAX_LABEL - 16:
+                break
+            shown.append(name)
+        return "+".join(shown) + f"+...({len(self.names) - len(shown)} more)"
 
     @cached_property
     def fingerprint(self) -> str:
