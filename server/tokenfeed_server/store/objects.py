@@ -195,7 +195,7 @@ class ObjectStore:
         try:
             self._client: Any = boto3.session.Session().client("s3", config=config)
         except Exception as exc:  # botocore: a bad profile, region or endpoint in config
-            raise self._error(exc, "connect to", "") from exc
+            raise self._error(exc, "connecting", "") from exc
         self._transfer = boto3.s3.transfer.TransferConfig(
             multipart_threshold=64 << 20, multipart_chunksize=16 << 20, max_concurrency=8
         )
@@ -255,7 +255,7 @@ class ObjectStore:
         try:
             resp = self._client.head_object(Bucket=self.location.bucket, Key=self.location.key(key))
         except Exception as exc:
-            error = self._error(exc, "look up", key)
+            error = self._error(exc, "lookup", key)
             if isinstance(error, ObjectNotFound) and not isinstance(error, BucketNotFound):
                 return None
             raise error from exc
@@ -283,14 +283,14 @@ class ObjectStore:
                         modified=obj["LastModified"],
                     )
         except Exception as exc:
-            raise self._error(exc, "list", prefix) from exc
+            raise self._error(exc, "listing", prefix) from exc
 
     def check_bucket(self) -> None:
         """Fail early, with the clearest message, when the bucket is missing or refused."""
         try:
             self._client.head_bucket(Bucket=self.location.bucket)
         except Exception as exc:
-            raise self._error(exc, "open", "", bucket_call=True) from exc
+            raise self._error(exc, "bucket check", "", bucket_call=True) from exc
 
     # -- writes --------------------------------------------------------------------------
 
@@ -398,7 +398,7 @@ class ObjectStore:
             | bx.ConnectionClosedError,
         ):
             return ObjectStoreError(
-                f"{url}: cannot {verb} it: endpoint {endpoint} unreachable after retries "
+                f"{url}: {verb} failed: endpoint {endpoint} unreachable after retries "
                 f"({exc}); check AWS_ENDPOINT_URL, the network, or the service's status"
             )
         if isinstance(exc, bx.ClientError):
@@ -415,7 +415,7 @@ class ObjectStore:
                 return ObjectNotFound(f"{url}: no such object")
             if code in ("AccessDenied", "403", "Forbidden", "AllAccessDisabled") or status == 403:
                 return ObjectStoreError(
-                    f"{url}: access denied when trying to {verb} it ({message}); check the "
+                    f"{url}: access denied ({verb}: {message}); check the "
                     "credentials and that their policy allows s3:GetObject, s3:PutObject, "
                     "s3:ListBucket (and s3:DeleteObject for gc) on this bucket and prefix"
                 )
@@ -425,12 +425,12 @@ class ObjectStore:
                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the profile"
                 )
             return ObjectStoreError(
-                f"{url}: cannot {verb} it: {code or status} {message} (after retries)"
+                f"{url}: {verb} failed: {code or status} {message} (after retries)"
             )
         if isinstance(exc, bx.NoRegionError):
             return ObjectStoreError(f"{url}: no AWS region configured; set AWS_DEFAULT_REGION")
         if isinstance(exc, bx.BotoCoreError | OSError):
-            return ObjectStoreError(f"{url}: cannot {verb} it: {type(exc).__name__}: {exc}")
+            return ObjectStoreError(f"{url}: {verb} failed: {type(exc).__name__}: {exc}")
         if isinstance(exc, ValueError):  # botocore refuses e.g. a malformed endpoint URL
             return ConfigError(f"{url}: {exc}; check AWS_ENDPOINT_URL and ~/.aws/config")
-        return ObjectStoreError(f"{url}: cannot {verb} it: {type(exc).__name__}: {exc}")
+        return ObjectStoreError(f"{url}: {verb} failed: {type(exc).__name__}: {exc}")
