@@ -191,6 +191,28 @@ def test_locate_is_pure_in_any_order_and_shape(
 
 
 @SETTINGS
+@given(
+    schedule=schedules(max_segments=30, max_gap=40), block=st.integers(1, 300), seed=st.integers()
+)
+def test_block_shapes_take_the_same_order(
+    schedule: list[tuple[int, dict[str, int]]], block: int, seed: int
+) -> None:
+    """Sorted blocks inside one segment, across a few boundaries, across many, and
+    shuffled positions all give the same rows (locate has one path for each)."""
+    mix = Mixture(schedule)
+    n = schedule[-1][0] + 50
+    src, pos = stream(mix, n)
+    for s in range(len(mix.names)):
+        assert pos[src == s].tolist() == list(range(int((src == s).sum())))
+    pieces = [mix.locate(np.arange(a, min(a + block, n))) for a in range(0, n, block)]
+    assert np.concatenate([x[0] for x in pieces]).tolist() == src.tolist()
+    assert np.concatenate([x[1] for x in pieces]).tolist() == pos.tolist()
+    order = np.random.default_rng(seed % 2**32).permutation(n)
+    s2, p2 = mix.locate(order)
+    assert s2.tolist() == src[order].tolist() and p2.tolist() == pos[order].tolist()
+
+
+@SETTINGS
 @given(schedule=schedules(max_gap=10**17), data=st.data())
 def test_far_positions_match_exact_counts(
     schedule: list[tuple[int, dict[str, int]]], data: st.DataObject

@@ -104,6 +104,9 @@ Schedule: TypeAlias = "Mapping[str, Weight] | Sequence[tuple[int, Mapping[str, W
 _NUMPY_SOURCES = 48
 _QUANTUM = Decimal(1).scaleb(-WEIGHT_DECIMALS)
 _SCALE = 10**WEIGHT_DECIMALS
+#: A sorted block spanning at most this many segment boundaries is cut into pieces, one
+#: per segment; beyond, every row searches its segment.
+_SPLIT_SEGMENTS = 8
 
 
 def source_seed(seed: int, name: str) -> int:
@@ -293,7 +296,8 @@ class _Tables:
 
     def __init__(self, names: tuple[str, ...], segments: tuple[tuple[int, tuple[int, ...]], ...]):
         n = len(names)
-        self.starts = np.array([s for s, _ in segments], dtype=np.int64)
+        self.start_list = [s for s, _ in segments]
+        self.starts = np.array(self.start_list, dtype=np.int64)
         self.periods = np.array([sum(w) for _, w in segments], dtype=np.int64)
         self.weights = np.array([w for _, w in segments], dtype=np.int64).reshape(-1, n)
         # Per segment: source (global index) and rank per period offset, in one flat array
@@ -334,34 +338,56 @@ class _Tables:
         return [base[s] + full * int(w[s]) + int(partial[s]) for s in range(len(base))]
 
     def counts(self, position: int) -> list[int]:
-        k = bisect.bisect_right(self.starts.tolist(), position) - 1
+        k = bisect.bisect_right(self.start_list, position) - 1
         return self._counts_in(k, position, self.base_rows[k])
 
     def locate(self, p: IntArray) -> tuple[IntArray, IntArray]:
-        starts = self.starts
-        if len(starts) == 1:
-            k_lo = k_hi = 0
-        else:
-            k_lo, k_hi = (int(k) - 1 for k in np.searchsorted(starts, [p.min(), p.max()], "right"))
+        """``(source, source_position)`` of flat int64 positions in ``[0, 2**63 - 1]``."""
+        if len(self.start_list) == 1:
+            return self._in_segment(0, p)
+        k_lo = bisect.bisect_right(self.start_list, int(p.min())) - 1
+        k_hi = bisect.bisect_right(self.start_list, int(p.max())) - 1
         if k_lo == k_hi:  # the hot path: a block of rows inside one segment
-            k = k_lo
-            start = int(starts[k])
-            off = p - np.int64(start) if start else p
-            full, j = np.divmod(off, np.int64(self.periods[k]))
-            first = int(self.table_offsets[k])
-            if first:
-                j += np.int64(first)
-            src = self.source[j]
-            pos = self.weights[k][src]
-            pos *= full
-            pos += self.base[k][src]
-            pos += self.rank[j]
+            return self._in_segment(k_lo, p)
+        if k_hi - k_lo <= _SPLIT_SEGMENTS and bool(np.all(p[1:] >= p[:-1])):
+            # A block of increasing positions (a global batch) across a few boundaries:
+            # cut it at the boundaries and take each piece on the hot path.
+            src = np.empty_like(p)
+            pos = np.empty_like(p)
+            cuts = np.searchsorted(p, self.starts[k_lo + 1 : k_hi + 1]).tolist()
+            for k, a, b in zip(range(k_lo, k_hi + 1), [0, *cuts], [*cuts, len(p)], strict=True):
+                if a < b:
+                    src[a:b], pos[a:b] = self._in_segment(k, p[a:b])
             return src, pos
-        seg = np.searchsorted(starts, p, "right") - 1
-        full, j = np.divmod(p - starts[seg], self.periods[seg])
+        # Anything else: every row looks up its own segment, and per-(segment, source)
+        # values are gathered through flat indices (2-D fancy indexing is much slower).
+        seg = np.searchsorted(self.starts[k_lo + 1 : k_hi + 1], p, "right")
+        if k_lo:
+            seg += k_lo
+        full, j = np.divmod(p - self.starts[seg], self.periods[seg])
         j += self.table_offsets[seg]
         src = self.source[j]
-        pos = self.weights[seg, src] * full + self.base[seg, src] + self.rank[j]
+        flat = seg * np.int64(self.weights.shape[1])
+        flat += src
+        pos = self.weights.ravel()[flat]
+        pos *= full
+        pos += self.base.ravel()[flat]
+        pos += self.rank[j]
+        return src, pos
+
+    def _in_segment(self, k: int, p: IntArray) -> tuple[IntArray, IntArray]:
+        """locate() of positions that all lie in segment ``k``."""
+        start = self.start_list[k]
+        off = p - np.int64(start) if start else p
+        full, j = np.divmod(off, np.int64(self.periods[k]))
+        first = int(self.table_offsets[k])
+        if first:
+            j += np.int64(first)
+        src = self.source[j]
+        pos = self.weights[k][src]
+        pos *= full
+        pos += self.base[k][src]
+        pos += self.rank[j]
         return src, pos
 
 
