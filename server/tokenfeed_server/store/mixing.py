@@ -250,16 +250,17 @@ def open_feed(datasets: Sequence[Dataset], msg: protocol.Hello) -> Feed:
                     "Restore its build, or start over on purpose from a fresh state"
                 )
         try:
-            mixture: Mixture | None = Mixture.from_wire(names, msg.schedule)
+            mix = Mixture.from_wire(names, msg.schedule)
         except ConfigError as exc:  # PlanError too: both are the client's input
             raise RequestRejected(f"bad mixture schedule: {exc}") from None
-        rows = sum(sum(w) for w in {w for _, w in mixture.segments})
-        if rows > MAX_TABLE_ROWS:
+        table_rows = sum(sum(weights) for weights in {w for _, w in mix.segments})
+        if table_rows > MAX_TABLE_ROWS:
             raise RequestRejected(
                 f"bad mixture schedule: its distinct weight vectors have periods summing to "
-                f"{rows} rows, over this server's {MAX_TABLE_ROWS}; use fewer distinct "
+                f"{table_rows} rows, over this server's {MAX_TABLE_ROWS}; use fewer distinct "
                 "weightings or coarser weights (smaller integers after reduction)"
             )
+        mixture: Mixture | None = mix
     else:
         _check_build(datasets[0], msg.fingerprint, f"dataset {msg.dataset!r}")
         mixture = None
