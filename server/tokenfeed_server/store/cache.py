@@ -789,8 +789,10 @@ class PieceCache:
                 return
             self._stop = True
             self._work.notify_all()
+        # A fetcher inside a slow GET is a daemon thread: the stop does not wait it out.
+        deadline = time.monotonic() + 5.0
         for thread in self._threads:
-            thread.join(10.0)
+            thread.join(max(0.0, deadline - time.monotonic()))
         with self.lock:
             for fd in self._open.values():
                 os.close(fd)

@@ -670,33 +670,43 @@ class RemoteDataset(Dataset):
         itemsize = self.dtype.itemsize
         row = length * itemsize
         p = self.piece_bytes
-        first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
-        last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
-        offsets = (starts_arr - self._bounds[first]) * itemsize + HEADER_SIZE
-        g0 = self._piece_base[first] + offsets // p
-        g1 = self._piece_base[first] + (offsets + row - 1) // p
+        if len(self._bounds_list) == 2:  # one shard: no look-up of shards needed
+            first = np.zeros(n, dtype=np.int64)
+            offsets = starts_arr * itemsize + HEADER_SIZE
+            whole = True
+        else:
+            first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
+            last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
+            offsets = (starts_arr - self._bounds[first]) * itemsize + HEADER_SIZE
+            whole = first == last
+        pieces = offsets // p
+        g0 = self._piece_base[first] + pieces
         # Rows in one piece of one shard (nearly all when rows are small next to pieces)
         # are read in one pread each, in C; the others piece by piece.
-        simple = (first == last) & (g0 == g1)
-        others = np.flatnonzero(~simple).tolist()
-        needed = [g0]
+        simple = whole & (pieces == (offsets + (row - 1)) // p)
+        others = [] if simple.all() else np.flatnonzero(~simple).tolist()
         slow_spans: list[list[tuple[int, int, int]]] = []
-        for i in others:
-            spans = list(self._file_spans(int(starts_arr[i]), row))
-            slow_spans.append(spans)
-            needed.append(
-                np.asarray(
-                    [g for k, off, nb in spans for g in self._span_pieces(k, off, nb)],
-                    dtype=np.int64,
+        if others:
+            needed = [g0[simple]]
+            for i in others:
+                spans = list(self._file_spans(int(starts_arr[i]), row))
+                slow_spans.append(spans)
+                needed.append(
+                    np.asarray(
+                        [g for k, off, nb in spans for g in self._span_pieces(k, off, nb)],
+                        dtype=np.int64,
+                    )
                 )
-            )
-        ids = np.unique(np.concatenate(needed))
+            ids = np.unique(np.concatenate(needed))
+            g0, inner = g0[simple], offsets[simple] % p
+        else:
+            ids = np.unique(g0)
+            inner = offsets % p
         buf = out.data.cast("B")
         with self.cache.lock:
             fd_list = self.cache.acquire_locked([self.pieces[g] for g in ids.tolist()])
             fd_arr = np.asarray(fd_list, dtype=np.int64)
-            fds_simple = fd_arr[np.searchsorted(ids, g0[simple])].tolist()
-            inner = (offsets[simple] - (g0[simple] - self._piece_base[first[simple]]) * p).tolist()
+            fds_simple = fd_arr[np.searchsorted(ids, g0)].tolist()
             if rows is None:
                 row_bufs: Iterator[Any] = zip(out)  # ndarray rows (typeshed: not buffers)
             else:
@@ -704,7 +714,7 @@ class RemoteDataset(Dataset):
             if others:
                 row_bufs = itertools.compress(row_bufs, simple.tolist())
             try:
-                got = sum(map(os.preadv, fds_simple, row_bufs, inner))
+                got = sum(map(os.preadv, fds_simple, row_bufs, inner.tolist()))
             except OSError:
                 got = -1
             if got != len(fds_simple) * row:
@@ -749,7 +759,10 @@ class RemoteDataset(Dataset):
         the HTTP side, never the data plane's loop)."""
         if name not in self.manifest.extra_files or not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not one of dataset {self.name!r}'s files")
-        return self.objects.get(f"{self.name}/{name}")
+        try:
+            return self.objects.get(f"{self.name}/{name}")
+        except StoreError as exc:  # what a reader of a local file would see: OSError
+            raise OSError(str(exc)) from exc
 
     def close(self) -> None:
         """Forget the dataset (the cache keeps its pieces; they are shared by builds)."""
