@@ -416,3 +416,25 @@ def test_object_store_keys_are_relative_to_the_prefix(s3: S3Server) -> None:
         store.get_range("x/1", 5, 20)
     store.delete(["x/1", "x/none"])
     assert _keys(s3) == ["a/bc/2"]
+
+
+def test_gc_of_a_local_store_removes_dead_writers_temp_dirs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    corpus = _corpus(tmp_path / "corpus", n_files=2)
+    assert _run("prepare", str(corpus), "--store", str(store), "--dataset", "d",
+                "--no-progress") == 0  # fmt: skip
+    dead = store / ".tmp-d-999999-dead"  # a writer that died: its lock file is not held
+    dead.mkdir()
+    (dead / ".lock").write_text("")
+    (dead / "shard-000000.bin").write_bytes(b"half written")
+    capsys.readouterr()
+    assert _run("gc", "--store", str(store), "--dry-run") == 0
+    assert ".tmp-d-999999-dead" in capsys.readouterr().out and dead.exists()
+    assert _run("gc", "--store", str(store)) == 0
+    assert "deleted 1 temp directories" in capsys.readouterr().out
+    assert not dead.exists()
+    assert open_dataset(store, "d").n_documents > 0  # the dataset itself is untouched
+    assert _run("gc", "--store", str(store), "--dataset", "d") == 2
+    assert "--dataset applies to s3:// stores" in capsys.readouterr().err

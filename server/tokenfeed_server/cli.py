@@ -25,6 +25,7 @@ from tokenfeed_server import config as settings
 from tokenfeed_server.admin_cli import add_admin_commands
 
 if TYPE_CHECKING:
+    from tokenfeed_server.store.manifest import Manifest
     from tokenfeed_server.store.objects import S3Location
 
 __all__ = ["main"]
@@ -161,6 +162,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
         print(f"dataset      {ds.name}  ({ds.path})")
         print(f"fingerprint  {ds.fingerprint}")
         print(f"created      {m.created}")
+        print(f"format       {_format_line(m)}")
         print(f"tokenizer    {t.kind}  vocab {t.vocab_size}  eos {t.eos_id}  dtype {m.dtype}")
         print(f"tokens       {m.total_tokens:,}")
         print(f"documents    {m.documents:,}")
@@ -176,6 +178,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _format_line(m: Manifest) -> str:
+    if m.format_version < 2:
+        return f"version {m.format_version} (no piece checksums: re-prepare to publish to s3://)"
+    return f"version {m.format_version}, pieces of {m.piece_bytes:,} bytes"
+
+
 def _inspect_remote(location: S3Location, *, verify: bool) -> int:
     from tokenfeed_server.store.objects import ObjectStore
     from tokenfeed_server.store.publish import read_published, verify_published
@@ -187,7 +195,7 @@ def _inspect_remote(location: S3Location, *, verify: bool) -> int:
     print(f"dataset      {name}  ({store.url(name)})")
     print(f"fingerprint  {m.fingerprint}")
     print(f"created      {m.created}")
-    print(f"format       version {m.format_version}, pieces of {m.piece_bytes:,} bytes")
+    print(f"format       {_format_line(m)}")
     print(f"tokenizer    {t.kind}  vocab {t.vocab_size}  eos {t.eos_id}  dtype {m.dtype}")
     print(f"tokens       {m.total_tokens:,}")
     print(f"documents    {m.documents:,}")
