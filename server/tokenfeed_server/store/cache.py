@@ -308,6 +308,8 @@ class PieceCache:
 
     def completed(self) -> list[Waiter]:
         """The waiters done since the last call (clears the wake descriptor)."""
+        if self._wake_r < 0:
+            return []
         try:
             while os.read(self._wake_r, 4096):
                 pass
@@ -585,6 +587,8 @@ class PieceCache:
     def _complete(self, waiter: Waiter) -> None:
         waiter._event.set()
         self._completed.append(waiter)
+        if self._wake_w < 0:
+            return  # closed
         try:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, InterruptedError):
@@ -801,7 +805,10 @@ class PieceCache:
                 waiter.error = StoreError("the server is stopping")
                 waiter._event.set()
             self._admission.clear()
-        for fd in (self._wake_r, self._wake_w, self._lock_fd):
+        with self.lock:  # a fetcher finishing late must not write to a reused descriptor
+            fds = (self._wake_r, self._wake_w, self._lock_fd)
+            self._wake_r = self._wake_w = -1
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
