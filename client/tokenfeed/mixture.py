@@ -253,7 +253,7 @@ def _parse_schedule(schedule: object) -> list[tuple[int, dict[str, int]]]:
 # --------------------------------------------------------------------------- SWRR tables
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _period_table(weights: tuple[int, ...]) -> tuple[IntArray, IntArray]:
     """One SWRR period of positive ``weights``: (winner index per step, its rank).
 
