@@ -11,6 +11,7 @@ prefetch plan does not want first.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +21,9 @@ import pytest
 from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
 from shard_data import BYTE
 from tokenfeed.errors import StoreError
+from tokenfeed.plan import Plan
 from tokenfeed_server.config import parse_size
+from tokenfeed_server.prefetch import Prefetcher, wanted_ranges
 from tokenfeed_server.store import Dataset, open_dataset, write_dataset
 from tokenfeed_server.store.cache import (
     CacheTooSmall,
@@ -29,6 +32,7 @@ from tokenfeed_server.store.cache import (
     PieceRef,
     PieceUnreadable,
 )
+from tokenfeed_server.store.mixing import Feed, Source
 from tokenfeed_server.store.objects import ObjectStore, S3Location
 from tokenfeed_server.store.publish import publish_dataset
 from tokenfeed_server.store.reader import RemoteDataset, open_remote_dataset, read_blocking
@@ -358,3 +362,56 @@ def test_cache_sizes(text: str, size: int) -> None:
 def test_bad_cache_sizes_say_what_is_accepted(text: str) -> None:
     with pytest.raises(ValueError, match=r"a size|whole"):
         parse_size(text)
+
+
+class _Job:
+    """What the prefetcher reads of a data-plane job (a real Feed over the dataset)."""
+
+    def __init__(self, feed: Feed, position: int) -> None:
+        self.feed = feed
+        self.position = position
+        self.last_active = time.monotonic()
+
+
+def test_prefetch_fetches_the_next_blocks_within_its_share(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    local, objects = published
+    capacity = 60 * PIECE
+    cache = _cache(tmp_path, objects, capacity)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        plan = Plan(
+            n_tokens=ds.n_tokens, seq_len=64, batch_size=4, shuffle="block",
+            region_windows=100, block_regions=2,
+        )  # fmt: skip
+        job = _Job(Feed((Source("d", ds, plan),)), position=500)
+        ranges = wanted_ranges(ds, plan, job.position, capacity)
+        expected: list[PieceRef] = []
+        for start, stop in plan.block_spans(job.position, 2):
+            first, end = ds.piece_range(start, stop)
+            expected.extend(ds.pieces[first:end])
+        assert {r.digest for _, a, b in ranges for r in ds.pieces[a:b]} == {
+            r.digest for r in expected
+        }
+        want = {r.digest for r in expected}
+        budget = int(capacity * 0.75)
+        assert sum(r.size for r in expected) <= budget  # two blocks fit in the share
+        Prefetcher(cache).update([job])
+        for _ in range(1000):  # bounded wait for the fetchers
+            if all(cache.resident(d) for d in want):
+                break
+            time.sleep(0.01)
+        here = {r.digest for r in ds.pieces if cache.resident(r.digest)}
+        assert here == want  # what the plan reads next, nothing else
+        assert cache.stats()["prefetches"] == len(want)
+        # the current block is served from the cache without waiting (no NotResident)
+        for start, stop in plan.block_spans(job.position, 1):
+            np.testing.assert_array_equal(ds.read(start, stop), local.read(start, stop))
+        # the global shuffle wants the whole dataset only when it fits
+        glob = Plan(n_tokens=ds.n_tokens, seq_len=64, batch_size=4)
+        assert wanted_ranges(ds, glob, 0, capacity) == []
+        assert wanted_ranges(ds, glob, 0, ds.nbytes) == [(ds, 0, len(ds.pieces))]
+        assert wanted_ranges(local, plan, 0, capacity) == []  # a local dataset: nothing
+    finally:
+        cache.close()
