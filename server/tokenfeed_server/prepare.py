@@ -436,6 +436,8 @@ def prepare_objects(
     uploaded; the scratch directory is removed in every case.
     """
     validate_dataset_name(config.dataset)
+    stats = stats if stats is not None else PrepareStats()
+    started = time.perf_counter()
     target: ObjectStore | None = None
     if store is not None:
         target = ObjectStore(store)
@@ -455,13 +457,14 @@ def prepare_objects(
         if target is not None:
             local = replace(local, store=scratch / "store", overwrite=False)
         manifest = prepare(local, stats)
-        if target is None:
-            return manifest
-        return publish_dataset(
-            local.store / config.dataset, target, config.dataset, overwrite=config.overwrite
-        )
+        if target is not None:
+            manifest = publish_dataset(
+                local.store / config.dataset, target, config.dataset, overwrite=config.overwrite
+            )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    stats.seconds = time.perf_counter() - started  # downloads and upload included
+    return manifest
 
 
 def download_inputs(inputs: Sequence[S3Location], into: Path) -> list[Path]:
