@@ -312,7 +312,7 @@ def test_order_independent_of_batching(
 
 
 def test_many_small_blocks_in_one_call() -> None:
-    # More than _KEY_TABLE_RUNS distinct blocks in one batch: per-row vectorized keys.
+    # Many distinct blocks in one batch: keys and block info computed per row.
     w, r, k = 5000, 3, 2
     plan = block_plan(w, r, k, seed=9)
     pos = np.arange(w - 700, w + 700, dtype=np.int64)  # also straddles an epoch

@@ -323,64 +323,79 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> int:
 
 
 U64Array = npt.NDArray[np.uint64]
-# Above this many runs of distinct block serials in one call, round keys are derived per
-# row by vectorized splitmix64 instead of a Python-built table gathered per row.
-_KEY_TABLE_RUNS = 64
+# A call's blocks are described by small per-block tables (gathered per row) when they
+# hold at most this many region slots, or a quarter of the rows if that is more.
+_TABLE_SLOTS = 256
 
 
-def _tweak_keys(seed: int, tweak: U64Array, rounds: int) -> tuple[list[U64Array], bool]:
+def _tweak_keys(seed: int, tweak: U64Array | int, rounds: int) -> tuple[list[U64Array], bool]:
     """The round keys ``_round_keys(seed, t, rounds)`` of every row's tweak ``t``, and
     whether they differ per row (else each key is a 1-element array)."""
-    t0 = int(tweak[0])
-    if int(tweak.min()) == int(tweak.max()):
-        return [np.full(1, k, dtype=np.uint64) for k in _round_keys(seed, t0, rounds)], False
-    # Rows usually come as a few runs of one block each: a small table, gathered per row.
-    cuts = np.flatnonzero(tweak[1:] != tweak[:-1]) + 1
-    if cuts.size < _KEY_TABLE_RUNS:
-        starts = np.concatenate([np.zeros(1, dtype=np.int64), cuts])
-        table = np.array(
-            [_round_keys(seed, int(tweak[i]), rounds) for i in starts.tolist()], dtype=np.uint64
-        )
-        lengths = np.diff(np.append(starts, tweak.size))
-        run = np.repeat(np.arange(starts.size), lengths)
-        return [table[run, r] for r in range(rounds)], True
-    # Many small blocks: the same keys, computed per row (splitmix64 wraps like _mix64).
+    if not isinstance(tweak, int) and int(tweak.min()) == int(tweak.max()):
+        tweak = int(tweak[0])
+    if isinstance(tweak, int):
+        return [np.full(1, k, dtype=np.uint64) for k in _round_keys(seed, tweak, rounds)], False
+    # Rows usually come as runs of one block each: keys per run, gathered per row.
+    starts = np.flatnonzero(tweak[1:] != tweak[:-1]) + 1
+    runs = starts.size + 1
+    values = tweak if runs * 4 > tweak.size else np.append(tweak[:1], tweak[starts])
+    # _round_keys, vectorized (splitmix64 on uint64 arrays wraps exactly like _mix64).
     with np.errstate(over="ignore"):
-        base = splitmix64(np.uint64(splitmix64(seed)) ^ tweak)
+        base = splitmix64(np.uint64(splitmix64(seed)) ^ values)
         keys = [splitmix64(base + np.uint64(r * _GOLDEN & _MASK64)) for r in range(rounds)]
+    if values is not tweak:
+        run = np.repeat(np.arange(runs), np.diff(starts, prepend=0, append=tweak.size))
+        keys = [key[run] for key in keys]
     return keys, True
 
 
-def _permute_sized(index: U64Array, size: U64Array, seed: int, tweak: U64Array) -> U64Array:
-    """``permute(index[i], size[i], seed, tweak[i])`` for every row, vectorized: rows are
-    grouped by domain size (a block shuffle has at most four block sizes)."""
-    out = np.zeros_like(index)
-    lo, hi = int(size.min()), int(size.max())
+def _permute_sized(
+    index: U64Array, size: U64Array | int, seed: int, tweak: U64Array | int
+) -> U64Array:
+    """``permute(index[i], size[i], seed, tweak[i])`` for every row, vectorized (an int
+    ``size`` or ``tweak`` is the same for every row): rows are grouped by domain size (a
+    block shuffle has at most four block sizes)."""
     groups: list[tuple[int, npt.NDArray[np.intp] | None]]
-    if lo == hi:
-        groups = [(lo, None)]
+    if isinstance(size, int):
+        groups = [(size, None)]
+    elif int(size.min()) == int(size.max()):
+        groups = [(int(size[0]), None)]
     else:
         groups = [(int(n), np.flatnonzero(size == n)) for n in np.unique(size)]
+    out = index.copy() if groups[0][1] is None else np.zeros_like(index)
     for n, sel in groups:
         if n == 1:
-            continue  # a one-window block: position 0 (out is zero already)
-        x = index.copy() if sel is None else index[sel]
-        tw = tweak if sel is None else tweak[sel]
+            out[sel if sel is not None else slice(None)] = 0  # a one-window block
+            continue
+        x = out if sel is None else index[sel]
+        tw = tweak if sel is None or isinstance(tweak, int) else tweak[sel]
         bits = _domain_bits(n)
         keys, per_element = _tweak_keys(seed, tw, _rounds(bits))
         _encrypt(x, n, bits, keys, per_element)
-        if sel is None:
-            return x
-        out[sel] = x
+        if sel is not None:
+            out[sel] = x
     return out
+
+
+@dataclass(frozen=True)
+class _BlockInfo:
+    """Per block (one row per block serial ``epoch * nb + b``): its window count, the
+    in-block index where the short region ends (past every index if the block has no
+    short region), its first region slot, its epoch and the epoch's short-region slot."""
+
+    size: U64Array
+    short_end: U64Array
+    first_slot: U64Array
+    epoch: U64Array
+    short: U64Array
 
 
 @dataclass(frozen=True)
 class _BlockLayout:
     """The block shuffle's sizes and keys for one (W, R, K, seed); see the module docstring.
 
-    All per-row arithmetic is uint64: a position's offset plus the short region's deficit
-    may exceed int64 when W is near 2**63.
+    Per-row arithmetic is uint64: a position's offset plus the short region's deficit may
+    exceed int64 when W is near 2**63.
     """
 
     w: int  # windows
@@ -417,47 +432,55 @@ class _BlockLayout:
 
     def short_slot(self, epochs: U64Array) -> U64Array:
         """The slot of the short (last) region in each epoch's region sequence."""
-        mixed = splitmix64(np.uint64(self.seed_short) ^ epochs)
-        slot: U64Array = mixed % np.uint64(self.m)
+        slot: U64Array = splitmix64(np.uint64(self.seed_short) ^ epochs) % np.uint64(self.m)
         return slot
 
-    def regions_at(self, slots: U64Array, short: U64Array, epochs: IntArray) -> U64Array:
+    def short_slot_of(self, epoch: int) -> int:
+        """:meth:`short_slot` of one epoch (same bits: splitmix64 is exact on ints)."""
+        return splitmix64(self.seed_short ^ epoch) % self.m
+
+    def shift(self, local: U64Array, short: U64Array | int) -> None:
+        """Add the short region's deficit ``d``, in place, to the epoch-local positions
+        after the block holding the short region: then block ``b`` starts at ``b*K*R``."""
+        if not self.d:
+            return
+        k, m, r = self.k, self.m, self.r
+        end: U64Array | int
+        if isinstance(short, int):
+            sb = short // k
+            end = sb * self.kr + min(k, m - sb * k) * r - self.d
+        else:
+            sb_first = short // np.uint64(k) * np.uint64(k)
+            regions = np.minimum(np.uint64(k), np.uint64(m) - sb_first)
+            end = sb_first * np.uint64(r) + regions * np.uint64(r) - np.uint64(self.d)
+        np.add(local, np.uint64(self.d), out=local, where=local >= end)
+
+    def block_info(self, serial: U64Array) -> _BlockInfo:
+        """The :class:`_BlockInfo` of blocks ``serial`` (``epoch * nb + b``), vectorized."""
+        u = np.uint64
+        k = u(self.k)
+        epoch = serial // u(self.nb)
+        first = (serial - epoch * u(self.nb)) * k
+        short = self.short_slot(epoch)
+        size = np.minimum(k, u(self.m) - first) * u(self.r)
+        in_block = (short >= first) & (short < first + k)
+        short_index = np.where(in_block, short, first + k) - first
+        if self.d:
+            size[in_block] -= u(self.d)
+        short_end = short_index * u(self.r) + u(self.last)
+        return _BlockInfo(size, short_end, first, epoch, short)
+
+    def regions_at(self, slots: U64Array, short: U64Array, epochs: U64Array) -> U64Array:
         """The region in slot ``slots`` of epoch ``epochs`` (the short one at ``short``)."""
-        m1 = np.uint64(self.m - 1)
         if self.m == 1:
             return np.zeros_like(slots)
         is_short = slots == short
         # Skip the short region's slot; the short slot itself gets a dummy in-range index.
         index = np.where(slots > short, slots - np.uint64(1), slots)
         index[is_short] = 0
-        full = _permute_checked(index, self.m - 1, self.seed_regions, epochs)
-        regions: U64Array = np.where(is_short, m1, full.astype(np.uint64))
+        full = _permute_checked(index, self.m - 1, self.seed_regions, epochs.astype(np.int64))
+        regions: U64Array = np.where(is_short, np.uint64(self.m - 1), full.astype(np.uint64))
         return regions
-
-    def locate(
-        self, local: U64Array, short: U64Array
-    ) -> tuple[U64Array, U64Array, U64Array, U64Array]:
-        """Epoch-local positions to (block, offset in block, block size, short region's
-        index in the block, ``k`` where the block has no short region)."""
-        u = np.uint64
-        k, r, kr, d = u(self.k), u(self.r), u(self.kr), u(self.d)
-        m = u(self.m)
-        short_block = short // k
-        if self.d:
-            # Positions after the short region's block come d windows earlier.
-            end = short_block * kr + np.minimum(k, m - short_block * k) * r - d
-            shifted = np.where(local >= end, local + d, local)
-        else:
-            shifted = local
-        block = shifted // kr
-        offset = shifted - block * kr
-        size = np.minimum(k, m - block * k) * r
-        in_block = block == short_block
-        if self.d:
-            size = np.where(in_block, size - d, size)
-        first_slot = block * k
-        short_index = np.where(in_block, short, first_slot + k) - first_slot
-        return block, offset, size, short_index
 
     def windows(self, local: IntArray, epochs: IntArray) -> IntArray:
         """Window ids of epoch-local positions ``local`` of epochs ``epochs`` (int64)."""
@@ -465,22 +488,52 @@ class _BlockLayout:
         if local.size == 0:
             return np.zeros(shape, dtype=np.int64)
         u = np.uint64
-        loc = local.reshape(-1).astype(np.uint64)
-        ep = epochs.reshape(-1)
-        epu = ep.astype(np.uint64)
-        short = self.short_slot(epu)
-        block, offset, size, short_index = self.locate(loc, short)
-        # The block's serial number in the stream keys its order: unique per (epoch,
-        # block) and below (epoch + 1) * W <= 2**64.
-        serial = epu * u(self.nb) + block
-        j = _permute_sized(offset, size, self.seed_block, serial)
         r = u(self.r)
-        if self.d:
-            # Index j of the block's windows: regions in slot order, the short one `last`
-            # windows long; past it, shift by d to land on a full-region grid.
-            j = np.where(j >= short_index * r + u(self.last), j + u(self.d), j)
-        within, off = np.divmod(j, r)
-        regions = self.regions_at(block * u(self.k) + within, short, ep)
+        loc = local.reshape(-1).astype(np.uint64)  # a copy: shifted in place
+        ep = epochs.reshape(-1)
+        e0, e1 = int(ep.min()), int(ep.max())
+        epu = ep.astype(np.uint64)
+        self.shift(loc, self.short_slot_of(e0) if e0 == e1 else self.short_slot(epu))
+        block = loc // u(self.kr)
+        offset = loc - block * u(self.kr)
+        # The block's serial number in the stream keys its order: unique per (epoch,
+        # block), below (epoch + 1) * W <= 2**64, and consecutive across epochs.
+        serial = epu * u(self.nb) + block
+        s0, s1 = int(serial.min()), int(serial.max())
+        n_blocks = s1 - s0 + 1
+        if n_blocks * self.k > max(_TABLE_SLOTS, loc.size // 4):
+            # Rows from many blocks (scattered positions, tiny blocks): everything per row.
+            info = self.block_info(serial)
+            j = _permute_sized(offset, info.size, self.seed_block, serial)
+            if self.d:
+                np.add(j, u(self.d), out=j, where=j >= info.short_end)
+            within = j // r  # (np.divmod is ~15x slower than // and -)
+            off = j - within * r
+            regions = self.regions_at(info.first_slot + within, info.short, info.epoch)
+        else:
+            # The common case: a few consecutive blocks. Describe them in small tables
+            # (the regions of their K slots each) and gather per row.
+            info = self.block_info(np.arange(s0, s1 + 1, dtype=np.uint64))
+            slots = info.first_slot[:, None] + np.arange(self.k, dtype=np.uint64)[None, :]
+            np.minimum(slots, u(self.m - 1), out=slots)  # a short last block's spare slots
+            table = self.regions_at(
+                slots.reshape(-1), np.repeat(info.short, self.k), np.repeat(info.epoch, self.k)
+            )
+            if n_blocks == 1:
+                j = _permute_sized(offset, int(info.size[0]), self.seed_block, s0)
+                if self.d:
+                    np.add(j, u(self.d), out=j, where=j >= info.short_end[0])
+                within = j // r
+                off = j - within * r
+                regions = table[within]
+            else:
+                row = (serial - u(s0)).astype(np.intp)
+                j = _permute_sized(offset, info.size[row], self.seed_block, serial)
+                if self.d:
+                    np.add(j, u(self.d), out=j, where=j >= info.short_end[row])
+                within = j // r
+                off = j - within * r
+                regions = table[row * self.k + within.astype(np.intp)]
         ids: IntArray = (regions * r + off).astype(np.int64).reshape(shape)
         return ids
 
@@ -491,22 +544,21 @@ class _BlockLayout:
             # One block per epoch, or a whole epoch in range: every region.
             return np.arange(self.m, dtype=np.uint64)
         epoch, local = divmod(position, self.w)
-        one = np.ones(1, dtype=np.uint64)
-        short = self.short_slot(one * np.uint64(epoch))
-        block = int(self.locate(one * np.uint64(local), short)[0][0])
-        found: list[U64Array] = []
-        for _ in range(blocks):
-            if block == self.nb:
-                epoch, block = epoch + 1, 0
-                if epoch * self.w > INT64_MAX:
-                    break  # the stream ends before this epoch
-                short = self.short_slot(one * np.uint64(epoch))
-            stop = min((block + 1) * self.k, self.m)
-            slots = np.arange(block * self.k, stop, dtype=np.uint64)
-            ep = np.full(slots.size, epoch, dtype=np.int64)
-            found.append(self.regions_at(slots, np.repeat(short, slots.size), ep))
-            block += 1
-        return np.unique(np.concatenate(found))
+        loc = np.array([local], dtype=np.uint64)
+        self.shift(loc, self.short_slot_of(epoch))
+        first = epoch * self.nb + int(loc[0]) // self.kr
+        # Serials past the stream's end (2**63 - 1) hold no position: leave them out.
+        last = min(first + blocks - 1, (INT64_MAX // self.w + 1) * self.nb - 1)
+        info = self.block_info(np.arange(first, last + 1, dtype=np.uint64))
+        slots = info.first_slot[:, None] + np.arange(self.k, dtype=np.uint64)[None, :]
+        valid = slots < np.uint64(self.m)
+        n = slots.shape[1]
+        regions = self.regions_at(
+            slots[valid],
+            np.repeat(info.short, n).reshape(slots.shape)[valid],
+            np.repeat(info.epoch, n).reshape(slots.shape)[valid],
+        )
+        return np.unique(regions)
 
 
 @dataclass(frozen=True)
@@ -607,7 +659,9 @@ class Plan:
         if p.size and (int(p.min()) < 0 or int(p.max()) > INT64_MAX):
             raise PlanError("stream positions must lie in [0, 2**63 - 1]")
         p = p.astype(np.int64, copy=False)
-        epochs, local = np.divmod(p, np.int64(self.n_windows))
+        w = np.int64(self.n_windows)
+        epochs = p // w  # p >= 0: the same as np.divmod, which is ~15x slower
+        local = p - epochs * w
         if self.shuffle == "block":
             return self._layout.windows(local, epochs), epochs
         return _permute_checked(local, self.n_windows, self.seed, epochs), epochs
