@@ -144,6 +144,16 @@ def test_period_is_spread_smoothly(weights: list[int]) -> None:
         assert np.all(np.abs(n * total - k * w) < total)
 
 
+def test_lag_can_exceed_one_row_with_six_sources() -> None:
+    # Why the lag bound above is m - 1 and not 1: SWRR lets a source fall a little more
+    # than one row behind its share (the module docstring cites this case).
+    w = np.array([1, 1, 1, 1, 7, 7])
+    src, _ = stream(Mixture({f"s{i}": int(x) for i, x in enumerate(w)}), 18)
+    n = np.cumsum(np.eye(6, dtype=np.int64)[src], axis=0)
+    lag = (np.arange(1, 19)[:, None] * w - n * 18).max() / 18
+    assert 1 < lag < 1.1
+
+
 def test_runs_are_broken_up() -> None:
     # Not in runs: 1:1 alternates, and a 3:1 source never appears 4 times in a row.
     src, _ = stream(Mixture({"a": 1, "b": 1}), 10)
