@@ -27,8 +27,8 @@ from live_server import LiveServer
 from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
-from tokenfeed.errors import TokenFeedError
-from tokenfeed_server.store import write_dataset
+from tokenfeed.errors import DatasetChanged, TokenFeedError
+from tokenfeed_server.store import Dataset, open_dataset, write_dataset
 from tokenfeed_server.store.objects import ObjectStore, S3Location
 from tokenfeed_server.store.publish import publish_dataset
 
@@ -109,10 +109,12 @@ class _DirWatch:
         self.peak = max(self.peak, self._bytes())
 
 
-def _s3_server(s3: S3Server, cache: Path, size: int, *extra: str) -> LiveServer:
+def _s3_server(
+    s3: S3Server, cache: Path, size: int, *extra: str, zmq_port: int = 0, http_port: int = 0
+) -> LiveServer:
     command = [
         sys.executable, "-m", "tokenfeed_server.cli", "serve", "--store", URL,
-        "--host", "127.0.0.1", "--zmq-port", "0", "--http-port", "0",
+        "--host", "127.0.0.1", "--zmq-port", str(zmq_port), "--http-port", str(http_port),
         "--cache-dir", str(cache), "--cache-size", str(size),
         "--remote-scan-interval-s", "0.2",
         # small chunks: one request's pieces must fit in the small cache together
@@ -235,3 +237,57 @@ def test_a_remote_store_needs_cache_dir_and_size(
     bad = serve("--cache-dir", str(tmp_path / "c"), "--cache-size", "12XB")
     assert bad.returncode == 2
     assert "--cache-size" in bad.stderr and "TOKENFEED_CACHE_SIZE" in bad.stderr
+
+
+def test_a_dataset_replaced_in_the_bucket_is_never_mixed_into_a_running_job(
+    stores: tuple[Path, S3Server, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local, s3, _ = stores
+    for key, value in s3.env({}).items():
+        monkeypatch.setenv(key, value)
+    objects = ObjectStore(S3Location(BUCKET, "store"))
+    builds = {}
+    for seed, overwrite in ((3, False), (4, True)):
+        write_dataset(
+            local, "r", _docs(seed, 200), tokenizer=BYTE, shuffle_seed=0,
+            shard_tokens=30_000, piece_bytes=PIECE, overwrite=overwrite,
+        )  # fmt: skip
+        builds[seed] = open_dataset(local, "r")
+        if seed == 3:
+            publish_dataset(local / "r", objects, "r")
+            old_keys = set(s3.keys(BUCKET, "store/r/"))
+
+    def rows_are(build: Dataset, batch: dict[str, Any]) -> None:
+        for row, w in zip(batch["input_ids"].numpy(), batch["window_ids"].numpy(), strict=True):
+            np.testing.assert_array_equal(row, build.read(int(w) * 64, int(w) * 64 + 64))
+
+    cache = tmp_path / "cache"
+    srv = _s3_server(s3, cache, 1 << 20).start()
+    try:
+        loader = TokenFeedDataset(
+            srv.zmq, "r", seq_len=64, batch_size=4, rank=0, world_size=1, samples=4 * 60,
+            chunk_bytes=1, window=1, request_timeout=5.0, deadline=60.0,
+        )  # fmt: skip
+        it = iter(loader)
+        for _ in range(5):
+            rows_are(builds[3], next(it))
+        publish_dataset(local / "r", objects, "r", overwrite=True)
+        new = builds[4].fingerprint
+        for _ in range(400):  # bounded: the watcher lists the bucket every 0.2 s
+            if srv.get("/v1/datasets/r").json()["fingerprint"] == new:
+                break
+            time.sleep(0.05)
+        assert srv.get("/v1/datasets/r").json()["fingerprint"] == new
+        for _ in range(5):  # the running job keeps reading the build it started on
+            rows_are(builds[3], next(it))
+        assert old_keys <= set(s3.keys(BUCKET, "store/r/"))  # old shards stay until gc
+        # A restarted server serves the new build only: the job is told, never mixed.
+        zmq_port, http_port = srv.zmq_port, srv.http_port
+        srv.kill()
+        srv = _s3_server(s3, cache, 1 << 20, zmq_port=zmq_port, http_port=http_port).start()
+        with pytest.raises(DatasetChanged, match="replaced"):
+            for _ in it:
+                pass
+        assert len(_batches(srv, "r", samples=16)) == 4
+    finally:
+        srv.stop()
