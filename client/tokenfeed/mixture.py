@@ -88,7 +88,7 @@ import numpy.typing as npt
 from tokenfeed.errors import ConfigError, PlanError
 from tokenfeed.plan import INT64_MAX, UINT64_MAX, splitmix64
 
-__all__ = ["MAX_PERIOD", "WEIGHT_DECIMALS", "Mixture", "source_seed"]
+__all__ = ["MAX_PERIOD", "WEIGHT_DECIMALS", "Mixture", "Schedule", "source_seed"]
 
 #: Largest reduced weight sum (period) of one segment: bounds a period's table (16 bytes a
 #: row, 1 MiB at the limit) and the time to build it.
