@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path, PurePosixPath
 
 from tokenfeed.errors import CorruptShard, DatasetExists, DatasetNotFound, ManifestError
@@ -37,6 +38,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1 << 22
+_FILES_AT_ONCE = 4
 
 
 def content_name(name: str, path: Path) -> str:
@@ -86,13 +88,15 @@ def publish_dataset(
             "replace it (its old shards stay until tokenfeed-server gc)"
         )
     shard_names = published_names(local)
+    files: dict[str, Path] = {}  # key -> local file; equal shards share one object
     for shard, remote in zip(local.shards, shard_names, strict=True):
-        _upload(store, f"{name}/{remote}", local_dir / shard.name, on_upload)
+        files.setdefault(f"{name}/{remote}", local_dir / shard.name)
     extra_names: dict[str, str] = {}
     for extra in local.extra_files:
         remote = content_name(extra, local_dir / extra)
         extra_names[extra] = remote
-        _upload(store, f"{name}/{remote}", local_dir / extra, on_upload)
+        files[f"{name}/{remote}"] = local_dir / extra
+    uploaded = _upload_all(store, files, on_upload)
     published = local.with_names(shard_names, extra_names)
     published = Manifest.from_json(published.to_json())  # what readers will parse
     if not overwrite and store.head(manifest_key) is not None:  # published meanwhile
@@ -103,23 +107,50 @@ def publish_dataset(
     store.put_bytes(manifest_key, published.to_json().encode())
     if on_upload is not None:
         on_upload(manifest_key, len(published.to_json().encode()))
-    log.info("published %s (%d shards)", store.url(name), len(published.shards))
+    log.info(
+        "published %s: %d shards, %d of %d files uploaded (the rest were there already)",
+        store.url(name),
+        len(published.shards),
+        uploaded,
+        len(files),
+    )
     return published
+
+
+def _upload_all(
+    store: ObjectStore, files: dict[str, Path], on_upload: Callable[[str, int], None] | None
+) -> int:
+    """Upload ``files`` (key -> path), a few at once; return how many were uploaded.
+
+    Files at once: small shards would otherwise go one request at a time, and a big one
+    is already split into parallel parts by boto3. The first failure cancels what has
+    not started, waits for what has (so nothing lands after this returns) and is raised.
+    """
+    pool = ThreadPoolExecutor(max_workers=_FILES_AT_ONCE, thread_name_prefix="tokenfeed-upload")
+    try:
+        futures = [pool.submit(_upload, store, key, path, on_upload) for key, path in files.items()]
+        done = sum(f.result() for f in as_completed(futures))
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return done
 
 
 def _upload(
     store: ObjectStore, key: str, path: Path, on_upload: Callable[[str, int], None] | None
-) -> None:
+) -> bool:
     size = path.stat().st_size
     info = store.head(key)
     # Same content-addressed name and size: the same bytes (a different size can only be
     # a damaged upload by something else, which the correct bytes then replace).
     if info is not None and info.size == size and store.touch(key):
         log.debug("%s already uploaded", store.url(key))
-        return
+        return False
     store.put_file(key, path)
     if on_upload is not None:
         on_upload(key, size)
+    return True
 
 
 def read_published(store: ObjectStore, name: str) -> Manifest:
