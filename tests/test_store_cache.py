@@ -127,6 +127,8 @@ def test_random_reads_equal_local_and_the_bound_holds(
         stats = cache.stats()
         assert watch.peak <= capacity, (watch.peak, capacity)
         assert stats["reserved_bytes"] <= capacity
+        assert stats["fetching"] == 0
+        assert stats["size_bytes"] == cache.disk_bytes()  # the counts are the disk's
         assert stats["evictions"] > 0  # the cache really was too small for the dataset
         assert stats["misses"] > 0 and stats["hits"] > 0
         assert stats["bytes_fetched"] >= capacity

@@ -213,6 +213,9 @@ class PieceCache:
         self._lru: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._open: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._used = 0  # bytes of every entry: on disk, being written, or reserved
+        self._resident_bytes = 0  # of verified pieces (kept as counts: stats() is O(1))
+        self._resident_count = 0
+        self._fetching = 0
         self._demand: collections.deque[_Entry] = collections.deque()
         self._prefetch: collections.deque[_Entry] = collections.deque()
         self._admission: collections.deque[Waiter] = collections.deque()
@@ -544,6 +547,10 @@ class PieceCache:
         if self._entries.get(entry.digest) is entry:
             del self._entries[entry.digest]
             self._used -= entry.size
+            if entry.state == _RESIDENT:
+                self._resident_bytes -= entry.size
+                self._resident_count -= 1
+        entry.state = _IDLE
         self._stats.evictions += 1
 
     def _schedule_prefetch(self) -> None:
@@ -606,6 +613,7 @@ class PieceCache:
                     entry = queue.popleft()
                     if entry.state == _QUEUED and self._entries.get(entry.digest) is entry:
                         entry.state = _FETCHING
+                        self._fetching += 1
                         return entry
             self._work.wait()
         return None
@@ -713,6 +721,7 @@ class PieceCache:
         demand: bool,
     ) -> None:
         stats = self._stats
+        self._fetching -= 1
         if fetched:
             stats.fetches += 1
             stats.prefetches += 0 if demand else 1
@@ -725,6 +734,8 @@ class PieceCache:
             entry.state = _RESIDENT
             if self._entries.get(entry.digest) is entry:
                 self._lru[entry.digest] = entry
+                self._resident_bytes += entry.size
+                self._resident_count += 1
             for waiter in waiters:
                 waiter._pending.discard(entry.digest)
                 if not waiter._pending and not waiter.done:
@@ -750,15 +761,14 @@ class PieceCache:
         """Size, capacity, counters and fetch latency (for /v1/status and /metrics)."""
         with self.lock:
             s = self._stats
-            resident = [e for e in self._entries.values() if e.state == _RESIDENT]
             recent = sorted(s.recent)
             return {
                 "dir": str(self.directory),
                 "capacity_bytes": self.capacity,
-                "size_bytes": sum(e.size for e in resident),
+                "size_bytes": self._resident_bytes,
                 "reserved_bytes": self._used,
-                "pieces": len(resident),
-                "fetching": sum(1 for e in self._entries.values() if e.state == _FETCHING),
+                "pieces": self._resident_count,
+                "fetching": self._fetching,
                 "admission_queue": len(self._admission),
                 "wanted_pieces": len(self._wanted),
                 "hits": s.hits,
