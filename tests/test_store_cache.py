@@ -417,3 +417,25 @@ def test_prefetch_fetches_the_next_blocks_within_its_share(
         assert wanted_ranges(local, plan, 0, capacity) == []  # a local dataset: nothing
     finally:
         cache.close()
+
+
+def test_requests_within_rows_per_request_always_fit(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    """The rows bound a job's max_count should respect: any such request (rows anywhere,
+    across pieces and shards) is admitted, never CacheTooSmall."""
+    local, objects = published
+    cache = _cache(tmp_path, objects, 24 * PIECE)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        rng = np.random.default_rng(3)
+        for length in (1, 65, 2049, 3 * PIECE):
+            rows = cache.rows_per_request(PIECE, length * 2)
+            assert rows >= 1
+            for _ in range(10):
+                starts = rng.integers(0, local.n_tokens - length, size=rows)
+                got = read_blocking(ds, lambda s=starts, n=length: ds.gather(s, n).copy())
+                np.testing.assert_array_equal(got, local.gather(starts, length))
+        assert cache.stats()["reserved_bytes"] <= 24 * PIECE
+    finally:
+        cache.close()

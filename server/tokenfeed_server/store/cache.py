@@ -188,7 +188,7 @@ class PieceCache:
         capacity: int,
         source: PieceSource,
         *,
-        fetchers: int = 4,
+        fetchers: int = 16,
         attempts: int = 4,
         mismatch_attempts: int = 3,
         backoff_s: float = 0.1,
@@ -300,6 +300,14 @@ class PieceCache:
                 self.directory,
                 self.removed_at_start,
             )
+
+    def rows_per_request(self, piece_bytes: int, row_bytes: int) -> int:
+        """The most rows of ``row_bytes`` one request may read so that its pieces (of
+        ``piece_bytes``) fit in half the cache at once, whatever rows it reads (at least
+        1): what a job's ``max_count`` times its batch size should not exceed, or a
+        request could need more room than the cache has (:class:`CacheTooSmall`)."""
+        per_row = (-(-row_bytes // piece_bytes) + 1) * piece_bytes
+        return max(1, (self.capacity // 2) // per_row)
 
     # -- the loop's side ---------------------------------------------------------------
 
