@@ -440,3 +440,18 @@ def test_gc_of_a_local_store_removes_dead_writers_temp_dirs(
     assert open_dataset(store, "d").n_documents > 0  # the dataset itself is untouched
     assert _run("gc", "--store", str(store), "--dataset", "d") == 2
     assert "--dataset applies to s3:// stores" in capsys.readouterr().err
+
+
+def test_refused_credentials_exit_2(tmp_path: Path) -> None:
+    # moto checks credentials once INITIAL_NO_AUTH_ACTION_COUNT is 0: "testing" is unknown
+    (tmp_path / "in.txt").write_text("some text")
+    with S3Server(tmp_path / "moto.log", env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as strict:
+        env = {**strict.env(), "AWS_MAX_ATTEMPTS": "1"}
+        r = _cli("prepare", "in.txt", "--store", f"s3://{BUCKET}/p", "--dataset", "d",
+                 env=env, cwd=tmp_path)  # fmt: skip
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert f"s3://{BUCKET}: access denied" in r.stderr
+        assert "s3:GetObject, s3:PutObject" in r.stderr  # what the policy must allow
+        r = _cli("inspect", f"s3://{BUCKET}/p/d", env=env, cwd=tmp_path)
+        assert r.returncode == 2
+        assert f"s3://{BUCKET}/p/d/manifest.json: the credentials were refused" in r.stderr

@@ -371,7 +371,7 @@ class ObjectStore:
 
         if isinstance(exc, TokenFeedError):
             return exc
-        url = self.location.url(key) if key else f"s3://{self.location.bucket}"
+        url = f"s3://{self.location.bucket}" if bucket_call else self.location.url(key)
         if isinstance(exc, S3UploadFailedError) and isinstance(exc.__cause__, Exception):
             exc = exc.__cause__  # the ClientError that failed the transfer
         try:
@@ -413,16 +413,16 @@ class ObjectStore:
                 )
             if code in ("NoSuchKey", "404", "NotFound") or status == 404:
                 return ObjectNotFound(f"{url}: no such object")
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
+                return ObjectStoreError(
+                    f"{url}: the credentials were refused ({code}: {message}); check "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the profile"
+                )
             if code in ("AccessDenied", "403", "Forbidden", "AllAccessDisabled") or status == 403:
                 return ObjectStoreError(
                     f"{url}: access denied ({verb}: {message}); check the "
                     "credentials and that their policy allows s3:GetObject, s3:PutObject, "
                     "s3:ListBucket (and s3:DeleteObject for gc) on this bucket and prefix"
-                )
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
-                return ObjectStoreError(
-                    f"{url}: the credentials were refused ({code}: {message}); check "
-                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the profile"
                 )
             return ObjectStoreError(
                 f"{url}: {verb} failed: {code or status} {message} (after retries)"
