@@ -33,7 +33,7 @@ from tokenfeed_server.store.cache import (
     PieceUnreadable,
 )
 from tokenfeed_server.store.mixing import Feed, Source
-from tokenfeed_server.store.objects import ObjectStore, S3Location
+from tokenfeed_server.store.objects import ObjectStore, ObjectStoreError, S3Location
 from tokenfeed_server.store.publish import publish_dataset
 from tokenfeed_server.store.reader import RemoteDataset, open_remote_dataset, read_blocking
 
@@ -437,5 +437,52 @@ def test_requests_within_rows_per_request_always_fit(
                 got = read_blocking(ds, lambda s=starts, n=length: ds.gather(s, n).copy())
                 np.testing.assert_array_equal(got, local.gather(starts, length))
         assert cache.stats()["reserved_bytes"] <= 24 * PIECE
+    finally:
+        cache.close()
+
+
+class _FailOnce:
+    """The bucket, with the first request for each piece failing (a dropped connection
+    after the client's own retries)."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+        self.seen: set[tuple[str, int]] = set()
+
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        if (key, start) not in self.seen:
+            self.seen.add((key, start))
+            raise ObjectStoreError(f"{self.objects.url(key)}: connection reset (injected)")
+        return self.objects.get_range(key, start, stop)
+
+
+def test_transient_errors_are_retried_and_a_missing_object_is_reported(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    local, objects = published
+    cache = PieceCache(tmp_path / "cache", 40 * PIECE, _FailOnce(objects), backoff_s=0.01)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        got = read_blocking(ds, lambda: ds.read(100, 5000))
+        np.testing.assert_array_equal(got, local.read(100, 5000))
+        stats = cache.stats()
+        assert stats["fetch_errors"] == stats["fetches"] >= 2 and stats["unreadable"] == 0
+    finally:
+        cache.close()
+    # An object deleted from under a published manifest (gc by hand): reported, naming it.
+    cache = _cache(tmp_path / "again", objects, 40 * PIECE)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        key = f"d/{ds.manifest.shards[-1].name}"
+        data = objects.get(key)
+        objects.delete([key])
+        try:
+            last = int(local._bounds_list[-2])
+            with pytest.raises(PieceUnreadable) as info:
+                read_blocking(ds, lambda: ds.read(last, last + 10))
+            assert objects.url(key) in str(info.value)
+            assert cache.stats()["fetch_errors"] == 1  # not retried: it stays missing
+        finally:
+            objects.put_bytes(key, data)
     finally:
         cache.close()

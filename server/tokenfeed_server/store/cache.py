@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from tokenfeed.errors import StoreError
 from tokenfeed_server.config import parse_size
 from tokenfeed_server.store.format import piece_digest
+from tokenfeed_server.store.objects import ObjectNotFound
 
 __all__ = [
     "CacheTooSmall",
@@ -174,9 +175,11 @@ class PieceCache:
     """Verified pieces of a remote store in ``directory``, at most ``capacity`` bytes.
 
     ``source`` serves range reads (an :class:`~tokenfeed_server.store.objects.ObjectStore`).
-    ``fetchers`` threads fetch; a failed GET is retried ``attempts`` times with exponential
-    backoff from ``backoff_s``; a piece whose bytes do not match its digest is fetched
-    again up to ``mismatch_attempts`` times, then reported unreadable (and, for
+    ``fetchers`` threads fetch; a failed GET (already retried by the object store's client
+    for what it knows to be transient) is tried up to ``attempts`` times in all, with
+    exponential backoff from ``backoff_s`` (a missing object is not retried); a piece
+    whose bytes do not match its digest is fetched again up to ``mismatch_attempts``
+    times, then reported unreadable (and, for
     ``failure_ttl_s``, answered so at once instead of fetched again).
 
     Only one process may use a directory (a lock file says so at start).
@@ -189,7 +192,7 @@ class PieceCache:
         source: PieceSource,
         *,
         fetchers: int = 16,
-        attempts: int = 4,
+        attempts: int = 3,
         mismatch_attempts: int = 3,
         backoff_s: float = 0.1,
         failure_ttl_s: float = 30.0,
@@ -674,7 +677,8 @@ class PieceCache:
                 failures += 1
                 with self.lock:
                     self._stats.fetch_errors += 1
-                if failures >= self.attempts:
+                # A missing object stays missing (S3 is strongly consistent): no retry.
+                if failures >= self.attempts or isinstance(exc, ObjectNotFound):
                     raise PieceUnreadable(
                         f"cannot fetch {ref.url} bytes [{ref.start}, {ref.stop}) after "
                         f"{failures} attempts: {exc}; check the bucket and the credentials "
