@@ -228,12 +228,18 @@ def test_gc_rules(s3: S3Server, tmp_path: Path) -> None:
     assert _run("prepare", str(corpus), "--store", f"s3://{BUCKET}/p", "--dataset", "d",
                 "--no-progress") == 0  # fmt: skip
     put = s3.client.put_object
-    put(Bucket=BUCKET, Key="p/d/shard-stale.bin", Body=b"old build")
-    put(Bucket=BUCKET, Key="p/half/shard-x.bin", Body=b"an unfinished first publish")
+    stale, half = "shard-" + "a" * 32 + ".bin", "shard-" + "b" * 32 + ".bin"
+    put(Bucket=BUCKET, Key=f"p/d/{stale}", Body=b"an old build's shard")
+    put(Bucket=BUCKET, Key=f"p/half/{half}", Body=b"an unfinished first publish")
+    put(Bucket=BUCKET, Key=f"p/half/tokenizer-{'c' * 32}.json", Body=b"its tokenizer")
+    # never tokenfeed's: other names, a nested key, a prefix that is no dataset name
     put(Bucket=BUCKET, Key="p/README", Body=b"not in any dataset")
+    put(Bucket=BUCKET, Key="p/d/notes.txt", Body=b"someone's notes")
+    put(Bucket=BUCKET, Key=f"p/d/sub/{stale}", Body=b"nested")
+    put(Bucket=BUCKET, Key=f"p/.cache/{stale}", Body=b"a hidden prefix")
     put(Bucket=BUCKET, Key="p/broken/manifest.json", Body=b"{not json")
-    put(Bucket=BUCKET, Key="p/broken/shard-y.bin", Body=b"kept: its manifest is unreadable")
-    put(Bucket=BUCKET, Key="other/d/shard-z.bin", Body=b"outside the store")
+    put(Bucket=BUCKET, Key=f"p/broken/{half}", Body=b"kept: its manifest is unreadable")
+    put(Bucket=BUCKET, Key=f"other/d/{stale}", Body=b"outside the store")
     before = set(_keys(s3))
     store = ObjectStore(S3Location(BUCKET, "p"))
     # within the grace period (counted from the object and from its manifest): nothing
@@ -241,12 +247,21 @@ def test_gc_rules(s3: S3Server, tmp_path: Path) -> None:
     later = datetime.now(timezone.utc) + timedelta(hours=2)
     results = {r.dataset: r for r in gc_objects(store, grace_s=3600, now=later, dry_run=True)}
     assert set(_keys(s3)) == before
-    assert [o.key for o in results["d"].deleted] == ["d/shard-stale.bin"]
-    assert [o.key for o in results["half"].deleted] == ["half/shard-x.bin"]
+    assert [o.key for o in results["d"].deleted] == [f"d/{stale}"]
+    assert sorted(o.key for o in results["d"].foreign) == ["d/notes.txt", f"d/sub/{stale}"]
+    assert sorted(o.key for o in results["half"].deleted) == [
+        f"half/{half}",
+        f"half/tokenizer-{'c' * 32}.json",
+    ]
     assert not results["half"].has_manifest
+    assert not results[".cache"].deleted and results[".cache"].foreign
     assert results["broken"].error and not results["broken"].deleted
     gc_objects(store, grace_s=3600, now=later)
-    assert before - set(_keys(s3)) == {"p/d/shard-stale.bin", "p/half/shard-x.bin"}
+    assert before - set(_keys(s3)) == {
+        f"p/d/{stale}",
+        f"p/half/{half}",
+        f"p/half/tokenizer-{'c' * 32}.json",
+    }
     assert _run("inspect", f"s3://{BUCKET}/p/d", "--verify") == 0
     # the CLI says so when a manifest stops gc
     assert _run("gc", "--store", f"s3://{BUCKET}/p", "--grace", "0") == 2

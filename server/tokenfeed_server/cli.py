@@ -260,8 +260,8 @@ def _run_gc(args: argparse.Namespace) -> int:
         state = "" if r.has_manifest else " (no manifest: an unfinished publish)"
         print(
             f"{objects.url(r.dataset)}{state}: {verb} {len(r.deleted)} object(s), "
-            f"{r.deleted_bytes:,} bytes; kept {r.referenced} referenced and {len(r.young)} "
-            f"younger than the grace period"
+            f"{r.deleted_bytes:,} bytes; kept {r.referenced} referenced, {len(r.young)} "
+            f"younger than the grace period, {len(r.foreign)} not tokenfeed's"
         )
         for info in r.deleted:
             print(f"  {info.key}  {info.size:,} bytes  {info.modified.isoformat()}")

@@ -9,7 +9,10 @@ may read its shards until it notices the new manifest (so the clock starts when 
 manifest replaced it), and a publish in progress has uploaded files its manifest does not
 name yet (so the clock starts at the upload). A prefix without a manifest (a first
 publish that never finished) is all unreferenced. A manifest that cannot be read stops gc
-for that dataset: it deletes nothing it cannot prove unreferenced.
+for that dataset: it deletes nothing it cannot prove unreferenced. Only objects named as
+publish names them (``shard-<id>.bin``, ``<stem>-<hash>.<suffix>``) right under a prefix
+with a valid dataset name are ever deleted: anything else sharing the store prefix is
+counted as foreign and left alone.
 
 Local stores need no gc for this (a replaced dataset directory is deleted by the writer
 once swapped out); there gc removes the temp directories of writers that died.
@@ -18,6 +21,7 @@ once swapped out); there gc removes the temp directories of writers that died.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -34,6 +38,8 @@ __all__ = ["DEFAULT_GRACE_S", "GcResult", "gc_local", "gc_objects"]
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 3600.0
+# shard-<content id>.bin, <stem>-<blake2b-128>[.suffix] (see store.publish)
+_CONTENT_NAME = re.compile(r"shard-[0-9a-f]{32}\.bin|[^/]+-[0-9a-f]{32}(\.[^/]+)?")
 
 
 @dataclass
@@ -47,6 +53,8 @@ class GcResult:
     deleted: list[ObjectInfo] = field(default_factory=list)
     #: unreferenced but younger than the grace period: kept this time
     young: list[ObjectInfo] = field(default_factory=list)
+    #: not named like a file publish writes: never deleted
+    foreign: list[ObjectInfo] = field(default_factory=list)
     #: why nothing was deleted here ("" when gc ran)
     error: str = ""
 
@@ -89,24 +97,30 @@ def _gc_dataset(
     result = GcResult(dataset)
     manifest_key = f"{dataset}/{MANIFEST_NAME}"
     referenced = {manifest_key}
-    # The manifest is read after the listing: an object listed but uploaded for a newer
-    # manifest than the one read is younger than the listing, so within any grace > 0.
-    manifest_info = next((o for o in objects if o.key == manifest_key), None)
-    if manifest_info is not None:
+    manifest_time: datetime | None = None
+    if any(o.key == manifest_key for o in objects):
         result.has_manifest = True
+        # Read after the listing; its time is looked up after reading it, so the time is
+        # never older than the content read (a manifest replaced meanwhile only makes gc
+        # wait longer). An object listed for a newer manifest is younger than the grace.
         try:
             manifest = Manifest.from_json(store.get(manifest_key))
+            info = store.head(manifest_key)
         except StoreError as exc:
             result.error = f"manifest unreadable, nothing deleted: {exc}"
             log.warning("gc %s: %s", store.url(dataset), result.error)
             return result
+        manifest_time = info.modified if info is not None else datetime.now(timezone.utc)
         referenced |= {f"{dataset}/{s.name}" for s in manifest.shards}
         referenced |= {f"{dataset}/{f}" for f in manifest.extra_files}
     result.referenced = sum(1 for o in objects if o.key in referenced)
     for info in objects:
         if info.key in referenced:
             continue
-        old = info.modified < cutoff and (manifest_info is None or manifest_info.modified < cutoff)
+        if not _ours(dataset, info.key):
+            result.foreign.append(info)
+            continue
+        old = info.modified < cutoff and (manifest_time is None or manifest_time < cutoff)
         (result.deleted if old else result.young).append(info)
     if result.deleted and not dry_run:
         # Checked again just before deleting: a publish that reused an object touched it.
@@ -118,6 +132,21 @@ def _gc_dataset(
         store.delete(o.key for o in fresh)
         log.info("gc %s: deleted %d object(s)", store.url(dataset), len(fresh))
     return result
+
+
+def _ours(dataset: str, key: str) -> bool:
+    """True for ``DATASET/FILE`` with FILE named the way publish names files (by content):
+    gc never deletes anything else, whatever else shares the prefix."""
+    name = key[len(dataset) + 1 :]
+    return _is_dataset_name(dataset) and _CONTENT_NAME.fullmatch(name) is not None
+
+
+def _is_dataset_name(name: str) -> bool:
+    try:
+        validate_dataset_name(name)
+    except StoreError:
+        return False
+    return True
 
 
 def gc_local(store: Path, *, dry_run: bool = False) -> list[Path]:
