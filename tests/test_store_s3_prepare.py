@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from s3_server import S3Server, s3_server, s3_server_module  # noqa: F401  (fixtures)
 from tokenfeed.errors import ConfigError, DatasetNotFound
@@ -470,3 +472,28 @@ def test_refused_credentials_exit_2(tmp_path: Path) -> None:
         r = _cli("inspect", f"s3://{BUCKET}/p/d", env=env, cwd=tmp_path)
         assert r.returncode == 2
         assert f"s3://{BUCKET}/p/d/manifest.json: the credentials were refused" in r.stderr
+
+
+_SEGMENT = st.from_regex(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,10}", fullmatch=True).filter(
+    lambda s: s not in (".", "..")
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    bucket=st.from_regex(r"[a-z0-9][a-z0-9.-]{2,20}", fullmatch=True),
+    parts=st.lists(_SEGMENT, max_size=4),
+    trailing=st.booleans(),
+)
+def test_store_urls_round_trip(bucket: str, parts: list[str], trailing: bool) -> None:
+    prefix = "/".join(parts)
+    text = f"s3://{bucket}/{prefix}" + ("/" if trailing and prefix else "")
+    location = parse_store(text)
+    assert location == S3Location(bucket, prefix)
+    assert parse_store(location.url()) == location
+    assert location.key("k") == (f"{prefix}/k" if prefix else "k")
+    if parts:
+        parent, name = location.split()
+        assert (parent.child(name), name) == (location, parts[-1])
+    # a path is a path, including one that merely contains "s3"
+    assert parse_store(f"data/s3/{bucket}") == Path(f"data/s3/{bucket}")
