@@ -60,6 +60,8 @@ class ProxyStats:
     connections: int = 0
     refused: int = 0
     delayed_requests: int = 0
+    #: requests forwarded (or being delayed) whose answer has not begun yet
+    waiting: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
 
@@ -160,12 +162,17 @@ class LatencyProxy:
         # once the upstream has answered (set by the downstream pump).
         turn = asyncio.Event()
         turn.set()
+        pending = False  # a request of this connection awaits its answer
 
         async def up() -> None:
+            nonlocal pending
             while data := await c_reader.read(READ_BYTES):
                 if turn.is_set():
                     turn.clear()
                     self.stats.delayed_requests += 1
+                    if not pending:
+                        pending = True
+                        self.stats.waiting += 1
                     await asyncio.sleep(self.delay_s)
                 u_writer.write(data)
                 self.stats.bytes_up += len(data)
@@ -174,8 +181,12 @@ class LatencyProxy:
                 u_writer.write_eof()  # half-close: the upstream still answers
 
         async def down() -> None:
+            nonlocal pending
             while data := await u_reader.read(READ_BYTES):
                 turn.set()
+                if pending:
+                    pending = False
+                    self.stats.waiting -= 1
                 c_writer.write(data)
                 self.stats.bytes_down += len(data)
                 await c_writer.drain()
@@ -195,6 +206,9 @@ class LatencyProxy:
             c_writer.close()
             for task in pumps:
                 task.cancel()
+            if pending:  # cut before its answer began
+                pending = False
+                self.stats.waiting -= 1
             await asyncio.gather(*pumps, return_exceptions=True)
 
 
