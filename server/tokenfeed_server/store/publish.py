@@ -39,6 +39,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 _HASH_CHUNK = 1 << 22
 _FILES_AT_ONCE = 4
+_MAX_COPY = 5 << 30
 
 
 def content_name(name: str, path: Path) -> str:
@@ -144,7 +145,9 @@ def _upload(
     info = store.head(key)
     # Same content-addressed name and size: the same bytes (a different size can only be
     # a damaged upload by something else, which the correct bytes then replace).
-    if info is not None and info.size == size and store.touch(key):
+    # (S3 copies at most 5 GiB in one request: a bigger object is reused untouched, and
+    # only a gc with a grace shorter than the publish could take it.)
+    if info is not None and info.size == size and (size > _MAX_COPY or store.touch(key)):
         log.debug("%s already uploaded", store.url(key))
         return False
     store.put_file(key, path)
