@@ -395,6 +395,8 @@ def test_ranks_workers_and_resume_give_the_stream(
         (INT64_MAX, 2**62 + 1, 1),  # two regions, the short one about half
         (10**12, 32768, 4),
         (INT64_MAX, INT64_MAX, INT64_MAX),
+        (INT64_MAX, 1, 1),  # W blocks per epoch: serials up to ~2**64
+        (INT64_MAX, 3, 5),
     ],
 )
 def test_huge_datasets_stay_in_range_and_injective(n_tokens: int, r: int, k: int) -> None:

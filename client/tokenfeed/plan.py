@@ -100,7 +100,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Final, overload
 
 import numpy as np
@@ -263,14 +263,18 @@ def _permute_checked(
 
 def _encrypt(
     x: npt.NDArray[np.uint64],
-    n: int,
+    n: int | npt.NDArray[np.uint64],
     bits: int,
     keys: list[npt.NDArray[np.uint64]],
     per_element: bool,
 ) -> None:
-    """Encrypt ``x`` (values in [0, n)) in place by the cycle-walking Feistel network."""
+    """Encrypt ``x`` (values in [0, n)) in place by the cycle-walking Feistel network.
+
+    ``n`` may differ per row (an array like ``x``) if every row's ``n`` has the domain
+    ``2**bits``: the network is the same, only where the walk stops differs.
+    """
     _feistel(x, bits, keys)
-    nn = np.uint64(n)
+    nn = np.uint64(n) if isinstance(n, int) else n
     out = np.flatnonzero(x >= nn)
     # Cycle-walk the values that left [0, n); each pass keeps about 1 - n/2**bits < 1/2.
     while out.size:
@@ -278,7 +282,7 @@ def _encrypt(
         sub_keys = [k[out] for k in keys] if per_element else keys
         _feistel(sub, bits, sub_keys)
         x[out] = sub
-        out = out[sub >= nn]
+        out = out[sub >= (nn if isinstance(nn, np.uint64) else nn[out])]
 
 
 def permute(index: npt.ArrayLike, n: int, seed: int, epoch: int | npt.ArrayLike) -> IntArray:
@@ -326,52 +330,83 @@ U64Array = npt.NDArray[np.uint64]
 # A call's blocks are described by small per-block tables (gathered per row) when they
 # hold at most this many region slots, or a quarter of the rows if that is more.
 _TABLE_SLOTS = 256
+# Region slots a cached table describes at least (see _BlockLayout.windows).
+_TABLE_BATCH = 2048
 
 
-def _tweak_keys(seed: int, tweak: U64Array | int, rounds: int) -> tuple[list[U64Array], bool]:
+# A permutation's tweak per row: one int for all rows, one per row, or
+# ``(first, count, rows)``: row i has tweak ``first + rows[i]``, ``0 <= rows[i] < count``.
+Tweak = int | U64Array | tuple[int, int, npt.NDArray[np.intp]]
+
+
+def _vector_round_keys(seed: int, tweaks: U64Array, rounds: int) -> list[U64Array]:
+    """``_round_keys(seed, t, rounds)`` of every ``t`` in ``tweaks``, as one array per
+    round (splitmix64 on uint64 arrays wraps exactly like _mix64 on ints)."""
+    with np.errstate(over="ignore"):
+        base = splitmix64(np.uint64(splitmix64(seed)) ^ tweaks)
+        return [splitmix64(base + np.uint64(r * _GOLDEN & _MASK64)) for r in range(rounds)]
+
+
+@lru_cache(maxsize=16)
+def _range_round_keys(seed: int, first: int, count: int, rounds: int) -> list[U64Array]:
+    """:func:`_vector_round_keys` of tweaks ``[first, first + count)``, cached: the block
+    serials of consecutive calls (see :func:`_block_tables`)."""
+    keys = _vector_round_keys(seed, np.arange(first, first + count, dtype=np.uint64), rounds)
+    for key in keys:
+        key.flags.writeable = False
+    return keys
+
+
+def _tweak_keys(seed: int, tweak: Tweak, rounds: int) -> tuple[list[U64Array], bool]:
     """The round keys ``_round_keys(seed, t, rounds)`` of every row's tweak ``t``, and
     whether they differ per row (else each key is a 1-element array)."""
+    if isinstance(tweak, tuple):
+        first, count, rows = tweak
+        return [key[rows] for key in _range_round_keys(seed, first, count, rounds)], True
     if not isinstance(tweak, int) and int(tweak.min()) == int(tweak.max()):
         tweak = int(tweak[0])
     if isinstance(tweak, int):
         return [np.full(1, k, dtype=np.uint64) for k in _round_keys(seed, tweak, rounds)], False
-    # Rows usually come as runs of one block each: keys per run, gathered per row.
+    # Rows often come as runs of one block each: keys per run, gathered per row.
     starts = np.flatnonzero(tweak[1:] != tweak[:-1]) + 1
-    runs = starts.size + 1
-    values = tweak if runs * 4 > tweak.size else np.append(tweak[:1], tweak[starts])
-    # _round_keys, vectorized (splitmix64 on uint64 arrays wraps exactly like _mix64).
-    with np.errstate(over="ignore"):
-        base = splitmix64(np.uint64(splitmix64(seed)) ^ values)
-        keys = [splitmix64(base + np.uint64(r * _GOLDEN & _MASK64)) for r in range(rounds)]
-    if values is not tweak:
-        run = np.repeat(np.arange(runs), np.diff(starts, prepend=0, append=tweak.size))
-        keys = [key[run] for key in keys]
-    return keys, True
+    if (starts.size + 1) * 4 > tweak.size:
+        return _vector_round_keys(seed, tweak, rounds), True
+    keys = _vector_round_keys(seed, np.append(tweak[:1], tweak[starts]), rounds)
+    run = np.repeat(np.arange(starts.size + 1), np.diff(starts, prepend=0, append=tweak.size))
+    return [key[run] for key in keys], True
 
 
-def _permute_sized(
-    index: U64Array, size: U64Array | int, seed: int, tweak: U64Array | int
-) -> U64Array:
+def _permute_sized(index: U64Array, size: U64Array | int, seed: int, tweak: Tweak) -> U64Array:
     """``permute(index[i], size[i], seed, tweak[i])`` for every row, vectorized (an int
-    ``size`` or ``tweak`` is the same for every row): rows are grouped by domain size (a
-    block shuffle has at most four block sizes)."""
-    groups: list[tuple[int, npt.NDArray[np.intp] | None]]
+    ``size`` or ``tweak`` is the same for every row). Rows whose sizes share a Feistel
+    domain go through one network with a per-row walk bound; otherwise (rare: the short
+    block's size crosses a power of two) rows are grouped by size."""
+    groups: list[tuple[int, int | U64Array, npt.NDArray[np.intp] | None]]
     if isinstance(size, int):
-        groups = [(size, None)]
-    elif int(size.min()) == int(size.max()):
-        groups = [(int(size[0]), None)]
+        groups = [(size, size, None)]
     else:
-        groups = [(int(n), np.flatnonzero(size == n)) for n in np.unique(size)]
-    out = index.copy() if groups[0][1] is None else np.zeros_like(index)
-    for n, sel in groups:
+        lo, hi = int(size.min()), int(size.max())
+        if lo == hi:
+            groups = [(lo, lo, None)]
+        elif _domain_bits(lo) == _domain_bits(hi):
+            groups = [(hi, size, None)]
+        else:
+            groups = [(int(n), int(n), np.flatnonzero(size == n)) for n in np.unique(size)]
+    out = index.copy() if groups[0][2] is None else np.zeros_like(index)
+    for n, bound, sel in groups:
         if n == 1:
-            out[sel if sel is not None else slice(None)] = 0  # a one-window block
+            out[sel if sel is not None else slice(None)] = 0  # one-window blocks
             continue
         x = out if sel is None else index[sel]
-        tw = tweak if sel is None or isinstance(tweak, int) else tweak[sel]
+        tw: Tweak = tweak
+        if sel is not None:
+            if isinstance(tweak, tuple):
+                tw = (tweak[0], tweak[1], tweak[2][sel])
+            elif not isinstance(tweak, int):
+                tw = tweak[sel]
         bits = _domain_bits(n)
         keys, per_element = _tweak_keys(seed, tw, _rounds(bits))
-        _encrypt(x, n, bits, keys, per_element)
+        _encrypt(x, bound, bits, keys, per_element)
         if sel is not None:
             out[sel] = x
     return out
@@ -453,7 +488,7 @@ class _BlockLayout:
             sb_first = short // np.uint64(k) * np.uint64(k)
             regions = np.minimum(np.uint64(k), np.uint64(m) - sb_first)
             end = sb_first * np.uint64(r) + regions * np.uint64(r) - np.uint64(self.d)
-        np.add(local, np.uint64(self.d), out=local, where=local >= end)
+        local += (local >= end) * np.uint64(self.d)  # (a masked np.add is slower)
 
     def block_info(self, serial: U64Array) -> _BlockInfo:
         """The :class:`_BlockInfo` of blocks ``serial`` (``epoch * nb + b``), vectorized."""
@@ -506,31 +541,37 @@ class _BlockLayout:
             info = self.block_info(serial)
             j = _permute_sized(offset, info.size, self.seed_block, serial)
             if self.d:
-                np.add(j, u(self.d), out=j, where=j >= info.short_end)
+                j += (j >= info.short_end) * u(self.d)
             within = j // r  # (np.divmod is ~15x slower than // and -)
             off = j - within * r
             regions = self.regions_at(info.first_slot + within, info.short, info.epoch)
         else:
             # The common case: a few consecutive blocks. Describe them in small tables
             # (the regions of their K slots each) and gather per row.
-            info = self.block_info(np.arange(s0, s1 + 1, dtype=np.uint64))
-            slots = info.first_slot[:, None] + np.arange(self.k, dtype=np.uint64)[None, :]
-            np.minimum(slots, u(self.m - 1), out=slots)  # a short last block's spare slots
-            table = self.regions_at(
-                slots.reshape(-1), np.repeat(info.short, self.k), np.repeat(info.epoch, self.k)
-            )
+            # Tables of 2S blocks from a multiple of S, S >= 2 * n_blocks a power of two:
+            # they cover this call, and the next calls find theirs cached. At least
+            # _TABLE_BATCH slots (or as many as rows): a table's cost is mostly fixed
+            # (numpy calls, walks), and a small call should not pay for a big one.
+            span = 2 << (n_blocks - 1).bit_length()
+            while span * self.k < min(_TABLE_BATCH, loc.size):
+                span *= 2
+            # No uint64 overflow: a serial is at most its position + 1 <= 2**63.
+            base = s0 // span * span
+            info, table = _block_tables(self, base, 2 * span)
             if n_blocks == 1:
-                j = _permute_sized(offset, int(info.size[0]), self.seed_block, s0)
+                i = s0 - base
+                j = _permute_sized(offset, int(info.size[i]), self.seed_block, s0)
                 if self.d:
-                    np.add(j, u(self.d), out=j, where=j >= info.short_end[0])
+                    j += (j >= info.short_end[i]) * u(self.d)
                 within = j // r
                 off = j - within * r
-                regions = table[within]
+                regions = table[within.astype(np.intp) + i * self.k]  # (intp: 3x faster)
             else:
-                row = (serial - u(s0)).astype(np.intp)
-                j = _permute_sized(offset, info.size[row], self.seed_block, serial)
+                row = (serial - u(base)).astype(np.intp)
+                tweak = (base, 2 * span, row)  # the block serials, as table rows
+                j = _permute_sized(offset, info.size[row], self.seed_block, tweak)
                 if self.d:
-                    np.add(j, u(self.d), out=j, where=j >= info.short_end[row])
+                    j += (j >= info.short_end[row]) * u(self.d)
                 within = j // r
                 off = j - within * r
                 regions = table[row * self.k + within.astype(np.intp)]
@@ -559,6 +600,22 @@ class _BlockLayout:
             np.repeat(info.epoch, n).reshape(slots.shape)[valid],
         )
         return np.unique(regions)
+
+
+@lru_cache(maxsize=16)
+def _block_tables(layout: _BlockLayout, first: int, count: int) -> tuple[_BlockInfo, U64Array]:
+    """The :class:`_BlockInfo` of block serials ``[first, first + count)`` and the regions
+    of their ``K`` slots each (row-major; a short last block's spare slots repeat region
+    ``M - 1``, never read). Cached, a few blocks' worth (O(K) each): consecutive calls
+    mostly fall in the same blocks, and this is most of a small call's fixed cost."""
+    info = layout.block_info(np.arange(first, first + count, dtype=np.uint64))
+    k = layout.k
+    slots = info.first_slot[:, None] + np.arange(k, dtype=np.uint64)[None, :]
+    np.minimum(slots, np.uint64(layout.m - 1), out=slots)
+    table = layout.regions_at(slots.reshape(-1), np.repeat(info.short, k), np.repeat(info.epoch, k))
+    for part in (table, info.size, info.short_end, info.first_slot, info.epoch, info.short):
+        part.flags.writeable = False  # shared by every caller of the cache
+    return info, table
 
 
 @dataclass(frozen=True)
