@@ -36,7 +36,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -335,36 +335,39 @@ class PieceCache:
             done, self._completed = self._completed, []
         return done
 
-    def acquire_locked(self, refs: Sequence[PieceRef]) -> list[int]:
-        """Descriptors of the cache files of ``refs``, in order; the caller holds
-        :attr:`lock` and reads them before releasing it.
+    def acquire_locked(
+        self, digests: Sequence[str], refs: Callable[[], Sequence[PieceRef]]
+    ) -> list[int]:
+        """Descriptors of the cache files of the pieces ``digests``, in order; the caller
+        holds :attr:`lock` and reads them before releasing it.
 
         Raises :class:`NotResident` (nothing read, the missing pieces on their way) if
-        any is not in the cache.
+        any is not in the cache; ``refs()`` then says where each piece comes from (made
+        only then: the common case, every piece here, needs only the digests).
         """
         entries = self._entries
         missing = False
-        for ref in refs:
-            entry = entries.get(ref.digest)
+        for digest in digests:
+            entry = entries.get(digest)
             if entry is None or entry.state != _RESIDENT:
                 missing = True
                 break
         if missing:
             resident = sum(
                 1
-                for ref in refs
-                if (e := entries.get(ref.digest)) is not None and e.state == _RESIDENT
+                for digest in digests
+                if (e := entries.get(digest)) is not None and e.state == _RESIDENT
             )
             self._stats.hits += resident
-            self._stats.misses += len(refs) - resident
-            waiter = Waiter(_unique(refs))
+            self._stats.misses += len(digests) - resident
+            waiter = Waiter(_unique(refs()))
             self._request(waiter)
             raise NotResident(self, waiter)
-        self._stats.hits += len(refs)
+        refs_count = len(digests)
+        self._stats.hits += refs_count
         fds = []
         lru, opened = self._lru, self._open
-        for ref in refs:
-            digest = ref.digest
+        for digest in digests:
             lru.move_to_end(digest)
             fd = opened.get(digest)
             if fd is None:
@@ -375,7 +378,7 @@ class PieceCache:
             fds.append(fd)
         # Descriptors of pieces read least recently go first (never one just returned:
         # they were moved to the end).
-        excess = len(opened) - max(self.max_open, len(refs))
+        excess = len(opened) - max(self.max_open, refs_count)
         while excess > 0:
             _, fd = opened.popitem(last=False)
             os.close(fd)

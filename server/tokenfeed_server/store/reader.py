@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import errno
 import hashlib
 import itertools
@@ -12,7 +13,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Dataset",
+    "PieceList",
     "RemoteDataset",
     "list_datasets",
     "list_remote_datasets",
@@ -492,6 +494,55 @@ def list_datasets(store: str | os.PathLike[str]) -> list[str]:
 # ------------------------------------------------------------------------ remote datasets
 
 
+class PieceList(Sequence["PieceRef"]):
+    """The pieces of a remote dataset's shard files in order, as
+    :class:`~tokenfeed_server.store.cache.PieceRef` objects made when asked for."""
+
+    def __init__(self, name: str, manifest: Manifest, objects: ObjectStore) -> None:
+        self._name = name
+        self._manifest = manifest
+        self._objects = objects
+        self._piece = manifest.piece_bytes
+        base = [0]
+        for shard in manifest.shards:
+            base.append(base[-1] + len(shard.pieces))
+        #: base[k] = global id of shard k's first piece; base[-1] = the number of pieces
+        self.base = base
+        self._sizes = [s.file_size(manifest.itemsize) for s in manifest.shards]
+        self._urls: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return self.base[-1]
+
+    @overload
+    def __getitem__(self, index: int) -> PieceRef: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[PieceRef]: ...
+
+    def __getitem__(self, index: int | slice) -> PieceRef | list[PieceRef]:
+        if isinstance(index, slice):
+            return [self._ref(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"piece {index} of {len(self)}")
+        return self._ref(index)
+
+    def _ref(self, gid: int) -> PieceRef:
+        from tokenfeed_server.store.cache import PieceRef
+
+        k = bisect.bisect_right(self.base, gid) - 1
+        i = gid - self.base[k]
+        shard = self._manifest.shards[k]
+        key = f"{self._name}/{shard.name}"
+        url = self._urls.get(k)
+        if url is None:
+            url = self._urls[k] = self._objects.url(key)
+        start = i * self._piece
+        return PieceRef(shard.pieces[i], key, start, min(start + self._piece, self._sizes[k]), url)
+
+
 class RemoteDataset(Dataset):
     """A dataset in object storage, read through a :class:`~tokenfeed_server.store.cache.
     PieceCache`: the same reading API as :class:`Dataset`, so the serving code is the same.
@@ -511,27 +562,16 @@ class RemoteDataset(Dataset):
         self.cache = cache
         self.url = objects.url(name)
         self._closed = False
-        from tokenfeed_server.store.cache import PieceRef
-
-        piece = manifest.piece_bytes
-        self.piece_bytes = piece
-        itemsize = self.dtype.itemsize
-        refs: list[PieceRef] = []
-        piece_base = [0]
-        for shard in manifest.shards:
-            key = f"{name}/{shard.name}"
-            url = objects.url(key)
-            size = shard.file_size(itemsize)
-            for i, digest in enumerate(shard.pieces):
-                start = i * piece
-                refs.append(PieceRef(digest, key, start, min(start + piece, size), url))
-            piece_base.append(len(refs))
-        #: Every piece of the dataset, shard by shard: the global piece ids index it.
-        self.pieces: tuple[PieceRef, ...] = tuple(refs)
-        self._piece_base = np.asarray(piece_base, dtype=np.int64)
-        self._piece_base_list = piece_base
+        self.piece_bytes = manifest.piece_bytes
+        #: Every piece of the dataset, shard by shard, made on demand (a big dataset has
+        #: millions): the global piece ids index it.
+        self.pieces = PieceList(name, manifest, objects)
+        # The digest of every piece by global id (references to the manifest's strings).
+        self._digests = [d for shard in manifest.shards for d in shard.pieces]
+        self._piece_base = np.asarray(self.pieces.base, dtype=np.int64)
+        self._piece_base_list = self.pieces.base
         #: Bytes of every shard file (what the whole dataset takes in a cache).
-        self.nbytes = sum(r.size for r in refs)
+        self.nbytes = sum(s.file_size(manifest.itemsize) for s in manifest.shards)
 
     def __repr__(self) -> str:
         return (
@@ -611,7 +651,9 @@ class RemoteDataset(Dataset):
     def _acquire(self, gids: Iterable[int]) -> dict[int, int]:
         """gid -> descriptor of every piece (cache lock held by the caller)."""
         ids = sorted(set(gids))
-        fds = self.cache.acquire_locked([self.pieces[g] for g in ids])
+        fds = self.cache.acquire_locked(
+            [self._digests[g] for g in ids], lambda: [self.pieces[g] for g in ids]
+        )
         return dict(zip(ids, fds, strict=True))
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -704,7 +746,11 @@ class RemoteDataset(Dataset):
             inner = offsets % p
         buf = out.data.cast("B")
         with self.cache.lock:
-            fd_list = self.cache.acquire_locked([self.pieces[g] for g in ids.tolist()])
+            id_list = ids.tolist()
+            digests = self._digests
+            fd_list = self.cache.acquire_locked(
+                [digests[g] for g in id_list], lambda: [self.pieces[g] for g in id_list]
+            )
             fd_arr = np.asarray(fd_list, dtype=np.int64)
             fds_simple = fd_arr[np.searchsorted(ids, g0)].tolist()
             if rows is None:
