@@ -4,10 +4,10 @@ locality, and what it gives up in mixing.
 (a) ``Plan.windows`` rate, rows/s, on 8192-row blocks of consecutive positions (what the
     server's WindowBlocks cache computes), block vs global on the same dataset; target:
     block within 2x of global.
-(b) The trade-off, on a dataset of 64 regions of 4096 windows with 4 regions per block:
-    how far apart in the stream two windows of one region land (median, p99, max over
-    random pairs, epoch 0), and how many distinct regions (~ shards) a stretch of 1000
-    consecutive positions touches, in each mode.
+(b) The trade-off, on a dataset of 64 regions of 4096 windows with 1, 4 (the default)
+    and 16 regions per block: how far apart in the stream two windows of one region land
+    (median, p99, max over random pairs, epoch 0), and how many distinct regions (~
+    shards) a stretch of 1000 or 8192 consecutive positions touches, in each mode.
 
     .venv/bin/python benchmarks/bench_block_shuffle.py            # ~20 s
     .venv/bin/python benchmarks/bench_block_shuffle.py --quick    # a few seconds
@@ -51,14 +51,19 @@ def rates(glob: Plan, block: Plan, batches: int, repeats: int) -> tuple[float, f
     return statistics.median(g_rates), statistics.median(b_rates), ratio
 
 
-def spans_cost(plan: Plan, calls: int) -> float:
-    """Microseconds per ``block_spans(position, 2)`` call (the prefetcher's question)."""
+def spans_cost(plan: Plan, calls: int) -> tuple[float, float]:
+    """Microseconds per ``block_spans(position, 2)`` call (the prefetcher's question): at
+    random positions (a new block each time), and again at a position of the same block."""
     rng = np.random.default_rng(0)
     positions = rng.integers(0, 10**15, size=calls).tolist()
     t0 = time.process_time()
     for p in positions:
         plan.block_spans(p, 2)
-    return (time.process_time() - t0) / calls * 1e6
+    cold = (time.process_time() - t0) / calls * 1e6
+    t0 = time.process_time()
+    for i in range(calls):
+        plan.block_spans(positions[0] + i % 2, 2)
+    return cold, (time.process_time() - t0) / calls * 1e6
 
 
 def speed_table(batches: int, repeats: int) -> None:
@@ -76,38 +81,44 @@ def speed_table(batches: int, repeats: int) -> None:
     )
     print(
         f"| {'dataset':<28} | {'R (windows)':>11} | {'K':>3} | {'global Mrow/s':>13} "
-        f"| {'block Mrow/s':>12} | {'block/global':>12} | {'block_spans us':>14} |"
+        f"| {'block Mrow/s':>12} | {'block/global':>12} | {'block_spans us new/same':>23} |"
     )
-    print(f"| {'-' * 28} | {'-' * 10}:| --:| {'-' * 12}:| {'-' * 11}:| {'-' * 11}:| {'-' * 13}:|")
-    for label, n_tokens, seq_len, r, k in cases:
-        glob = Plan(n_tokens, seq_len, 1, seed=1234)
-        block = Plan(
-            n_tokens, seq_len, 1, seed=1234, shuffle="block", region_windows=r, block_regions=k
+    print(f"| {'-' * 28} | {'-' * 10}:| --:| {'-' * 12}:| {'-' * 11}:| {'-' * 11}:| {'-' * 22}:|")
+    plans = [
+        (
+            Plan(n_tokens, seq_len, 1, seed=1234),
+            Plan(n_tokens, seq_len, 1, seed=1234, shuffle="block", region_windows=r,
+                 block_regions=k),
         )
+        for _, n_tokens, seq_len, r, k in cases
+    ]  # fmt: skip
+    # Steady state, as in a long-running server: once a large (mmap-backed, below 32 MiB)
+    # array has been freed, glibc raises its trim/mmap thresholds and stops handing the
+    # heap's top back to the kernel after every call; before that, each call's 64 KiB
+    # temporaries page-fault anew and a measurement runs up to ~2x slow, depending on
+    # what ran before it.
+    np.ones(1 << 20).sum()
+    for glob, block in plans:  # and a warm-up pass over every case
+        rates(glob, block, max(1, batches // 4), 1)
+    for (label, _, _, r, k), (glob, block) in zip(cases, plans, strict=True):
         g_rate, b_rate, ratio = rates(glob, block, batches, repeats)
-        us = spans_cost(block, 200)
+        cold, warm = spans_cost(block, 200)
         print(
             f"| {label:<28} | {r:>11,} | {k:>3} | {g_rate / 1e6:>13.2f} | {b_rate / 1e6:>12.2f} "
-            f"| {ratio:>11.2f}x | {us:>14.0f} |"
+            f"| {ratio:>11.2f}x | {f'{cold:.0f} / {warm:.0f}':>23} |"
         )
 
 
-def tradeoff_table(regions: int, region_windows: int, block_regions: int, pairs: int) -> None:
+def tradeoff_table(regions: int, region_windows: int, ks: list[int], pairs: int) -> None:
     seq_len = 16
     w = regions * region_windows
     n_tokens = w * seq_len + 1
-    plans = {
-        "global": Plan(n_tokens, seq_len, 1, seed=7),
-        f"block (K={block_regions})": Plan(
-            n_tokens,
-            seq_len,
-            1,
-            seed=7,
-            shuffle="block",
-            region_windows=region_windows,
-            block_regions=block_regions,
-        ),
-    }
+    plans = {"global": Plan(n_tokens, seq_len, 1, seed=7)}
+    for k in ks:
+        plans[f"block, K={k}"] = Plan(
+            n_tokens, seq_len, 1, seed=7, shuffle="block", region_windows=region_windows,
+            block_regions=k,
+        )  # fmt: skip
     rng = np.random.default_rng(0)
     # Random pairs of distinct windows of one region.
     region = rng.integers(0, regions, size=pairs)
@@ -115,25 +126,30 @@ def tradeoff_table(regions: int, region_windows: int, block_regions: int, pairs:
     b = (a + rng.integers(1, region_windows, size=pairs)) % region_windows
     wa, wb = region * region_windows + a, region * region_windows + b
     print(
-        f"\n(b) {regions} regions x {region_windows:,} windows (W = {w:,}), "
-        f"{block_regions} regions per block, epoch 0; {pairs:,} random same-region pairs\n"
+        f"\n(b) {regions} regions x {region_windows:,} windows (W = {w:,}), epoch 0; stream "
+        f"distance between two windows of one region ({pairs:,} random pairs); distinct "
+        "regions in each stretch of 1000 (and 8192) consecutive positions\n"
     )
     print(
-        f"| {'shuffle':<13} | {'same-region distance: median':>28} | {'p99':>9} | {'max':>9} "
-        f"| {'regions per 1000 positions: mean':>32} | {'max':>4} |"
+        f"| {'shuffle':<11} | {'distance median':>15} | {'p99':>9} | {'max':>9} "
+        f"| {'regions/1000 mean':>17} | {'max':>4} | {'regions/8192 mean':>17} | {'max':>4} |"
     )
-    print(f"| {'-' * 13} | {'-' * 27}:| {'-' * 8}:| {'-' * 8}:| {'-' * 31}:| ---:|")
+    print(
+        f"| {'-' * 11} | {'-' * 14}:| {'-' * 8}:| {'-' * 8}:| {'-' * 16}:| ---:| {'-' * 16}:| ---:|"
+    )
     for name, plan in plans.items():
         ids, _ = plan.windows(np.arange(w))
         where = np.empty(w, dtype=np.int64)
         where[ids] = np.arange(w)  # the stream position of every window
         dist = np.abs(where[wa] - where[wb])
-        # Distinct regions in each stretch of 1000 consecutive positions.
-        stretches = (ids[: w // 1000 * 1000] // region_windows).reshape(-1, 1000)
-        touched = np.array([np.unique(s).size for s in stretches])
+        cells = []
+        for stretch in (1000, 8192):
+            parts = (ids[: w // stretch * stretch] // region_windows).reshape(-1, stretch)
+            touched = np.array([np.unique(part).size for part in parts])
+            cells.append(f"{touched.mean():>17.1f} | {int(touched.max()):>4}")
         print(
-            f"| {name:<13} | {int(np.median(dist)):>28,} | {int(np.percentile(dist, 99)):>9,} "
-            f"| {int(dist.max()):>9,} | {touched.mean():>32.1f} | {int(touched.max()):>4} |"
+            f"| {name:<11} | {int(np.median(dist)):>15,} | {int(np.percentile(dist, 99)):>9,} "
+            f"| {int(dist.max()):>9,} | {cells[0]} | {cells[1]} |"
         )
 
 
@@ -143,7 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.perf_counter()
     speed_table(batches=20 if args.quick else 100, repeats=3 if args.quick else 5)
-    tradeoff_table(64, 4096, 4, pairs=100_000)
+    tradeoff_table(64, 4096, [1, 4, 16], pairs=100_000)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
 
 

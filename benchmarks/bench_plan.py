@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tokenfeed.plan import Plan, permute
+from tokenfeed.plan import Plan, default_block_sizes, permute
 
 
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
@@ -81,6 +81,14 @@ def main() -> None:
             plan = Plan(n_tokens=n_tokens, seq_len=seq_len, batch_size=b, seed=1234)
             # start mid-stream, epochs later: time must not depend on the position
             bench_windows("Plan.windows", plan, 37 * plan.n_windows + 11)
+    # The block shuffle (regions of one 2**26-token shard's windows, 4 per block); see
+    # bench_block_shuffle.py for block vs global side by side and the locality trade-off.
+    for n_tokens in (10**12,):
+        r, k = default_block_sizes([1 << 26] * (n_tokens >> 26), 2048)
+        plan = Plan(
+            n_tokens, 2048, b, seed=1234, shuffle="block", region_windows=r, block_regions=k
+        )
+        bench_windows("Plan.windows (block)", plan, 37 * plan.n_windows + 11)
     for n in (10**6, 10**12):
         bench_permute("permute", n)
     # Worst case for cycle-walking: the Feistel domain is almost 2x the window count.

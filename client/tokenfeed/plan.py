@@ -578,28 +578,54 @@ class _BlockLayout:
         ids: IntArray = (regions * r + off).astype(np.int64).reshape(shape)
         return ids
 
-    def block_regions_from(self, position: int, blocks: int) -> U64Array:
-        """Sorted distinct regions of the stream's block holding ``position`` and the next
-        ``blocks - 1`` blocks (fewer where the stream ends at 2**63 - 1)."""
-        if self.nb == 1 or blocks > 2 * self.nb:
-            # One block per epoch, or a whole epoch in range: every region.
-            return np.arange(self.m, dtype=np.uint64)
+    def block_serial(self, position: int) -> int:
+        """The serial number (``epoch * nb + b``) of the block holding ``position``."""
         epoch, local = divmod(position, self.w)
-        loc = np.array([local], dtype=np.uint64)
-        self.shift(loc, self.short_slot_of(epoch))
-        first = epoch * self.nb + int(loc[0]) // self.kr
+        if self.d:  # as shift(), on ints
+            sb = self.short_slot_of(epoch) // self.k
+            if local >= sb * self.kr + min(self.k, self.m - sb * self.k) * self.r - self.d:
+                local += self.d
+        return epoch * self.nb + local // self.kr
+
+    def block_spans(self, seq_len: int, position: int, blocks: int) -> list[tuple[int, int]]:
+        """:meth:`Plan.block_spans` in block mode."""
+        if self.nb == 1 or blocks > 2 * self.nb:
+            # One block per epoch, or a whole epoch in range: every window.
+            return [(0, self.w * seq_len + 1)]
+        first = self.block_serial(position)
         # Serials past the stream's end (2**63 - 1) hold no position: leave them out.
         last = min(first + blocks - 1, (INT64_MAX // self.w + 1) * self.nb - 1)
-        info = self.block_info(np.arange(first, last + 1, dtype=np.uint64))
-        slots = info.first_slot[:, None] + np.arange(self.k, dtype=np.uint64)[None, :]
-        valid = slots < np.uint64(self.m)
-        n = slots.shape[1]
-        regions = self.regions_at(
+        return list(_block_spans(self, seq_len, first, last))
+
+
+@lru_cache(maxsize=64)
+def _block_spans(
+    layout: _BlockLayout, seq_len: int, first: int, last: int
+) -> tuple[tuple[int, int], ...]:
+    """Merged token spans of the regions of block serials ``[first, last]``. Cached: a
+    prefetcher asks again and again while a job is inside the same block."""
+    info = layout.block_info(np.arange(first, last + 1, dtype=np.uint64))
+    slots = info.first_slot[:, None] + np.arange(layout.k, dtype=np.uint64)[None, :]
+    valid = slots < np.uint64(layout.m)
+    n = slots.shape[1]
+    regions = np.unique(
+        layout.regions_at(
             slots[valid],
             np.repeat(info.short, n).reshape(slots.shape)[valid],
             np.repeat(info.epoch, n).reshape(slots.shape)[valid],
         )
-        return np.unique(regions)
+    )
+    first_window = regions * np.uint64(layout.r)
+    length = np.where(regions == np.uint64(layout.m - 1), layout.last, layout.r)
+    starts = (first_window * np.uint64(seq_len)).tolist()
+    stops = ((first_window + length.astype(np.uint64)) * np.uint64(seq_len) + np.uint64(1)).tolist()
+    spans: list[tuple[int, int]] = []
+    for start, stop in zip(starts, stops, strict=True):  # sorted by region, hence by start
+        if spans and start <= spans[-1][1]:  # neighbours share a token: merge
+            spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+        else:
+            spans.append((start, stop))
+    return tuple(spans)
 
 
 @lru_cache(maxsize=16)
@@ -734,19 +760,7 @@ class Plan:
         blocks = _check_int("blocks", blocks, 1, INT64_MAX)
         if self.shuffle == "global":
             return [(0, self.n_tokens)]
-        regions = self._layout.block_regions_from(position, blocks)
-        lay, seq_len = self._layout, self.seq_len
-        first_window = regions * np.uint64(lay.r)
-        length = np.where(regions == np.uint64(lay.m - 1), lay.last, lay.r).astype(np.uint64)
-        starts = (first_window * np.uint64(seq_len)).tolist()
-        stops = ((first_window + length) * np.uint64(seq_len) + np.uint64(1)).tolist()
-        spans: list[tuple[int, int]] = []
-        for start, stop in zip(starts, stops, strict=True):  # sorted by region, hence by start
-            if spans and start <= spans[-1][1]:  # neighbours share a token: merge
-                spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
-            else:
-                spans.append((start, stop))
-        return spans
+        return self._layout.block_spans(self.seq_len, position, blocks)
 
     def rank_positions(self, rank: int, pos: int, count: int = 1, stride: int = 1) -> IntArray:
         """Stream positions of rank ``rank``'s rows in ``count`` global batches.
