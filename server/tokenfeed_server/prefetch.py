@@ -18,9 +18,10 @@ second, on its own thread; it only computes spans and hands a list to the cache.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, overload
 
 from tokenfeed.plan import Plan
 from tokenfeed_server.store.cache import PieceCache, PieceRef
@@ -87,6 +88,54 @@ def wanted_ranges(
     return out
 
 
+class _Wanted(Sequence[PieceRef]):
+    """Disjoint piece ranges of remote datasets as one sequence of refs, made on demand."""
+
+    def __init__(self, ranges: list[_Range]) -> None:
+        self._ranges = ranges
+        self._starts = [0]
+        for _, first, end in ranges:
+            self._starts.append(self._starts[-1] + end - first)
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    @overload
+    def __getitem__(self, index: int) -> PieceRef: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[PieceRef]: ...
+
+    def __getitem__(self, index: int | slice) -> PieceRef | list[PieceRef]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        k = bisect.bisect_right(self._starts, index) - 1
+        ds, first, _ = self._ranges[k]
+        return ds.pieces[first + index - self._starts[k]]
+
+    def digests(self) -> list[str]:
+        """The pieces' digests, in order."""
+        out: list[str] = []
+        for ds, first, end in self._ranges:
+            out.extend(ds.digests[first:end])
+        return out
+
+
+def _subtract(first: int, end: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[first, end)`` less the ``covered`` ranges."""
+    parts = [(first, end)]
+    for lo, hi in covered:
+        parts = [
+            piece
+            for a, b in parts
+            for piece in ((a, min(b, lo)), (max(a, hi), b))
+            if piece[1] > piece[0]
+        ]
+    return parts
+
+
 class Prefetcher:
     """Tells ``cache`` which pieces the active jobs read next (see the module docstring).
 
@@ -116,19 +165,25 @@ class Prefetcher:
                     )
                 )
         key = [(id(ds), a, b) for ds, a, b in ranges]
-        if key == self._last and now - self._last_sent < REFRESH_S:
+        if key == self._last:
+            if now - self._last_sent >= REFRESH_S:
+                self._last_sent = now
+                self.cache.refresh_wanted()
             return
         self._last, self._last_sent = key, now
-        refs: list[PieceRef] = []
-        seen: set[str] = set()
+        # Disjoint ranges (two jobs on one dataset want it once), most urgent first, within
+        # the budget (counted in whole pieces: a shard's last one is shorter, so at most).
+        chosen: list[_Range] = []
+        covered: dict[int, list[tuple[int, int]]] = {}
         total = 0
         for ds, first, end in ranges:
-            for ref in ds.pieces[first:end]:
-                if ref.digest in seen:
+            for lo, top in _subtract(first, end, covered.get(id(ds), [])):
+                room = (self.budget - total) // ds.piece_bytes
+                hi = min(top, lo + room)
+                if hi <= lo:
                     continue
-                if total + ref.size > self.budget:
-                    break
-                seen.add(ref.digest)
-                refs.append(ref)
-                total += ref.size
-        self.cache.want(refs)
+                chosen.append((ds, lo, hi))
+                covered.setdefault(id(ds), []).append((lo, hi))
+                total += (hi - lo) * ds.piece_bytes
+        wanted = _Wanted(chosen)
+        self.cache.want(wanted, wanted.digests())

@@ -150,6 +150,7 @@ class _Entry:
     digest: str
     state: int
     pins: int = 0
+    used: int = 0  # when last read (a tick of the cache), for the LRU orders
     demand: bool = False  # queued for a waiting request (else: prefetch)
     waiters: list[Waiter] = field(default_factory=list)
 
@@ -213,7 +214,12 @@ class PieceCache:
         self._work = threading.Condition(self.lock)
         self._entries: dict[str, _Entry] = {}
         # Least recently used first: pieces on disk that may be evicted when unpinned.
-        self._lru: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        # Two LRU orders: pieces the prefetch plan does not want (evicted first), and
+        # pieces it wants; so making room never scans a cache full of wanted pieces.
+        self._lru_u: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._lru_w: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+        self._lru_bytes = [0, 0]  # bytes in _lru_u, _lru_w
+        self._tick = 0
         self._open: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._used = 0  # bytes of every entry: on disk, being written, or reserved
         self._resident_bytes = 0  # of verified pieces (kept as counts: stats() is O(1))
@@ -225,7 +231,8 @@ class PieceCache:
         self._completed: list[Waiter] = []
         self._failed: dict[str, tuple[PieceUnreadable, float]] = {}
         self._wanted: set[str] = set()
-        self._want_list: list[PieceRef] = []
+        self._want_list: Sequence[PieceRef] = []
+        self._want_digests: list[str] = []
         self._want_cursor = 0
         self._stats = _Stats()
         self._stop = False
@@ -293,10 +300,10 @@ class PieceCache:
         for _, digest, size in found:
             entry = _Entry(None, size, digest, _IDLE)
             self._entries[digest] = entry
-            self._lru[digest] = entry
+            self._lru_add(entry)
             self._used += size
-        while self._used > self.capacity and self._lru:  # the size was lowered since
-            self._evict(next(iter(self._lru.values())))
+        while self._used > self.capacity and self._lru_u:  # the size was lowered since
+            self._evict(next(iter(self._lru_u.values())))
         if self.removed_at_start:
             log.info(
                 "cache %s: removed %d temp files of an interrupted fetch",
@@ -366,9 +373,12 @@ class PieceCache:
         refs_count = len(digests)
         self._stats.hits += refs_count
         fds = []
-        lru, opened = self._lru, self._open
+        wanted, lru_u, lru_w, opened = self._wanted, self._lru_u, self._lru_w, self._open
+        self._tick += 1
+        tick = self._tick
         for digest in digests:
-            lru.move_to_end(digest)
+            entries[digest].used = tick
+            (lru_w if digest in wanted else lru_u).move_to_end(digest)
             fd = opened.get(digest)
             if fd is None:
                 fd = self._open_file(digest)
@@ -423,18 +433,42 @@ class PieceCache:
         finally:
             self.release(waiter)
 
-    def want(self, refs: Sequence[PieceRef]) -> None:
+    def want(self, refs: Sequence[PieceRef], digests: Sequence[str] | None = None) -> None:
         """The pieces the prefetch plan wants, most urgent first (replaces the last call):
-        fetched ahead into free room, and evicted after the pieces it does not want."""
+        fetched ahead into free room, and evicted after the pieces it does not want.
+
+        ``digests``, if given, are the pieces' digests in the same order: then ``refs``
+        may be a lazy sequence (a piece's ref is made only if it must be fetched).
+        """
+        want_digests = list(digests) if digests is not None else [r.digest for r in refs]
+        wanted = set(want_digests)
         with self.lock:
-            self._want_list = list(refs)
-            self._wanted = {r.digest for r in refs}
+            self._want_list = refs
+            self._want_digests = want_digests
+            if wanted != self._wanted:
+                self._wanted = wanted
+                # Re-split the LRU orders, least recently read first in each.
+                entries = sorted(
+                    [*self._lru_u.values(), *self._lru_w.values()], key=lambda e: e.used
+                )
+                self._lru_u.clear()
+                self._lru_w.clear()
+                self._lru_bytes = [0, 0]
+                for entry in entries:
+                    self._lru_add(entry)
             self._want_cursor = 0
             # Queued prefetches no longer wanted give their room back.
             for entry in [e for e in self._prefetch if e.digest not in self._wanted]:
                 if entry.state == _QUEUED and not entry.pins:
                     self._drop_entry(entry)
             self._prefetch = collections.deque(e for e in self._prefetch if e.state == _QUEUED)
+            self._schedule_prefetch()
+
+    def refresh_wanted(self) -> None:
+        """Look over the wanted pieces again (those evicted for requests since are
+        fetched again), without handing a new list."""
+        with self.lock:
+            self._want_cursor = 0
             self._schedule_prefetch()
 
     def resident(self, digest: str) -> bool:
@@ -490,7 +524,7 @@ class PieceCache:
                 entry.ref = ref
                 entry.state = _QUEUED
                 entry.demand = True
-                self._lru.pop(entry.digest, None)
+                self._lru_pop(entry.digest)
                 self._demand.append(entry)
             elif entry.state == _QUEUED and not entry.demand:
                 entry.demand = True  # a prefetch becomes urgent
@@ -516,8 +550,10 @@ class PieceCache:
         free = self.capacity - self._used
         if nbytes <= free:
             return True
+        queued = sum(e.size for e in self._prefetch if e.state == _QUEUED and not e.pins)
+        if free + queued + self._lru_bytes[0] + evict_wanted * self._lru_bytes[1] < nbytes:
+            return False  # cannot fit even evicting everything allowed: no scan
         victims: list[_Entry] = []
-        passes = (False, True) if evict_wanted else (False,)
         # Queued prefetches hold room but no file: cancelled first.
         for entry in self._prefetch:
             if free >= nbytes:
@@ -527,13 +563,13 @@ class PieceCache:
                     continue
                 victims.append(entry)
                 free += entry.size
-        for wanted_pass in passes:
+        for lru in (self._lru_u, self._lru_w) if evict_wanted else (self._lru_u,):
             if free >= nbytes:
                 break
-            for digest, entry in self._lru.items():
+            for digest, entry in lru.items():
                 if free >= nbytes:
                     break
-                if entry.pins or digest in protect or (digest in self._wanted) != wanted_pass:
+                if entry.pins or digest in protect:
                     continue
                 victims.append(entry)
                 free += entry.size
@@ -552,8 +588,22 @@ class PieceCache:
             self._used -= entry.size
         entry.state = _IDLE  # a queued copy in a deque is skipped
 
+    def _lru_add(self, entry: _Entry) -> None:
+        self._tick += 1
+        entry.used = self._tick
+        wanted = entry.digest in self._wanted
+        (self._lru_w if wanted else self._lru_u)[entry.digest] = entry
+        self._lru_bytes[wanted] += entry.size
+
+    def _lru_pop(self, digest: str) -> None:
+        for i, lru in enumerate((self._lru_u, self._lru_w)):
+            entry = lru.pop(digest, None)
+            if entry is not None:
+                self._lru_bytes[i] -= entry.size
+                return
+
     def _evict(self, entry: _Entry) -> None:
-        self._lru.pop(entry.digest, None)
+        self._lru_pop(entry.digest)
         fd = self._open.pop(entry.digest, None)
         if fd is not None:
             os.close(fd)
@@ -574,18 +624,22 @@ class PieceCache:
             return
         limit = 2 * len(self._threads) if hasattr(self, "_threads") else 8
         queued = sum(1 for e in self._prefetch if e.state == _QUEUED)
-        wants = self._want_list
+        wants, digests = self._want_list, self._want_digests
         now = time.monotonic()
-        while self._want_cursor < len(wants) and queued < limit:
+        while self._want_cursor < len(digests) and queued < limit:
+            digest = digests[self._want_cursor]
+            entry = self._entries.get(digest)
+            if entry is not None and entry.state != _IDLE:
+                self._want_cursor += 1  # here or on its way: no ref needed
+                continue
             ref = wants[self._want_cursor]
-            entry = self._entries.get(ref.digest)
-            if entry is not None and entry.state == _IDLE and entry.size != ref.size:
+            if entry is not None and entry.size != ref.size:
                 self._evict(entry)
                 entry = None
             if entry is not None:
                 if entry.state == _IDLE:  # found at start-up: verify it now
                     entry.ref, entry.state = ref, _QUEUED
-                    self._lru.pop(entry.digest, None)
+                    self._lru_pop(entry.digest)
                     self._prefetch.append(entry)
                     queued += 1
                 self._want_cursor += 1
@@ -748,7 +802,7 @@ class PieceCache:
         if error is None:
             entry.state = _RESIDENT
             if self._entries.get(entry.digest) is entry:
-                self._lru[entry.digest] = entry
+                self._lru_add(entry)
                 self._resident_bytes += entry.size
                 self._resident_count += 1
             for waiter in waiters:

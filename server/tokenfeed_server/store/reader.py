@@ -566,8 +566,8 @@ class RemoteDataset(Dataset):
         #: Every piece of the dataset, shard by shard, made on demand (a big dataset has
         #: millions): the global piece ids index it.
         self.pieces = PieceList(name, manifest, objects)
-        # The digest of every piece by global id (references to the manifest's strings).
-        self._digests = [d for shard in manifest.shards for d in shard.pieces]
+        #: The digest of every piece by global id (references to the manifest's strings).
+        self.digests = [d for shard in manifest.shards for d in shard.pieces]
         self._piece_base = np.asarray(self.pieces.base, dtype=np.int64)
         self._piece_base_list = self.pieces.base
         #: Bytes of every shard file (what the whole dataset takes in a cache).
@@ -652,7 +652,7 @@ class RemoteDataset(Dataset):
         """gid -> descriptor of every piece (cache lock held by the caller)."""
         ids = sorted(set(gids))
         fds = self.cache.acquire_locked(
-            [self._digests[g] for g in ids], lambda: [self.pieces[g] for g in ids]
+            [self.digests[g] for g in ids], lambda: [self.pieces[g] for g in ids]
         )
         return dict(zip(ids, fds, strict=True))
 
@@ -747,7 +747,7 @@ class RemoteDataset(Dataset):
         buf = out.data.cast("B")
         with self.cache.lock:
             id_list = ids.tolist()
-            digests = self._digests
+            digests = self.digests
             fd_list = self.cache.acquire_locked(
                 [digests[g] for g in id_list], lambda: [self.pieces[g] for g in id_list]
             )
