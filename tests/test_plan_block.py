@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -383,6 +384,40 @@ def test_ranks_workers_and_resume_give_the_stream(
     ref_ids, ref_eps = block_plan(w, r, kb, seed).windows(np.arange(total))
     assert np.array_equal(np.concatenate([ids1, ids2]), ref_ids)
     assert np.array_equal(np.concatenate([eps1, eps2]), ref_eps)
+
+
+# ------------------------------------------------------------------------------ quality
+
+
+@pytest.mark.parametrize(("w", "r", "k"), [(48, 4, 3), (60, 5, 4), (30, 1, 3), (16, 4, 4)])
+def test_every_window_lands_everywhere_equally_often(w: int, r: int, k: int) -> None:
+    # With W a multiple of R (no short region) every region is equally likely in every
+    # slot and every window at every place of its block, so across epochs each window
+    # lands at each position equally often. Chi-square of the (window, position) table
+    # over many epochs, in one call (a table path over many blocks); 5 sd as in
+    # test_plan.py. A fixed region order or in-block order fails this.
+    epochs = 6000
+    plan = block_plan(w, r, k, seed=11)
+    ids, _ = plan.windows(np.arange(epochs * w))
+    table = np.zeros((w, w))
+    np.add.at(table, (ids, np.tile(np.arange(w), epochs)), 1)
+    assert np.all(table.sum(axis=1) == epochs)
+    expected = epochs / w
+    chi2 = float(((table - expected) ** 2 / expected).sum())
+    dof = (w - 1) ** 2
+    assert chi2 < dof + 5 * math.sqrt(2 * dof) + 2
+
+
+def test_block_order_is_not_region_major() -> None:
+    # Inside a block, consecutive positions mix its regions (not one region, then the
+    # next): over a block of 4 regions x 256 windows, region changes between neighbours
+    # happen about 3/4 of the time.
+    plan = block_plan(1024 * 8, 256, 4, seed=3)
+    ids, _ = plan.windows(np.arange(1024))
+    regions = ids // 256
+    assert len(set(regions.tolist())) == 4
+    changes = float(np.mean(regions[1:] != regions[:-1]))
+    assert 0.65 < changes < 0.85
 
 
 # ---------------------------------------------------------------------------- large sizes

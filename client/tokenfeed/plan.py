@@ -332,6 +332,9 @@ U64Array = npt.NDArray[np.uint64]
 _TABLE_SLOTS = 256
 # Region slots a cached table describes at least (see _BlockLayout.windows).
 _TABLE_BATCH = 2048
+# Tables and key ranges larger than this (calls of very many rows) are not cached: the
+# caches stay a few MiB at most, whatever the calls.
+_CACHE_SLOTS = 16384
 
 
 # A permutation's tweak per row: one int for all rows, one per row, or
@@ -362,7 +365,12 @@ def _tweak_keys(seed: int, tweak: Tweak, rounds: int) -> tuple[list[U64Array], b
     whether they differ per row (else each key is a 1-element array)."""
     if isinstance(tweak, tuple):
         first, count, rows = tweak
-        return [key[rows] for key in _range_round_keys(seed, first, count, rounds)], True
+        if count <= _CACHE_SLOTS:
+            keys = _range_round_keys(seed, first, count, rounds)
+        else:
+            tweaks = np.arange(first, first + count, dtype=np.uint64)
+            keys = _vector_round_keys(seed, tweaks, rounds)
+        return [key[rows] for key in keys], True
     if not isinstance(tweak, int) and int(tweak.min()) == int(tweak.max()):
         tweak = int(tweak[0])
     if isinstance(tweak, int):
@@ -557,7 +565,8 @@ class _BlockLayout:
                 span *= 2
             # No uint64 overflow: a serial is at most its position + 1 <= 2**63.
             base = s0 // span * span
-            info, table = _block_tables(self, base, 2 * span)
+            tables = _block_tables if 2 * span * self.k <= _CACHE_SLOTS else _make_block_tables
+            info, table = tables(self, base, 2 * span)
             if n_blocks == 1:
                 i = s0 - base
                 j = _permute_sized(offset, int(info.size[i]), self.seed_block, s0)
@@ -628,12 +637,10 @@ def _block_spans(
     return tuple(spans)
 
 
-@lru_cache(maxsize=16)
-def _block_tables(layout: _BlockLayout, first: int, count: int) -> tuple[_BlockInfo, U64Array]:
+def _make_block_tables(layout: _BlockLayout, first: int, count: int) -> tuple[_BlockInfo, U64Array]:
     """The :class:`_BlockInfo` of block serials ``[first, first + count)`` and the regions
     of their ``K`` slots each (row-major; a short last block's spare slots repeat region
-    ``M - 1``, never read). Cached, a few blocks' worth (O(K) each): consecutive calls
-    mostly fall in the same blocks, and this is most of a small call's fixed cost."""
+    ``M - 1``, never read)."""
     info = layout.block_info(np.arange(first, first + count, dtype=np.uint64))
     k = layout.k
     slots = info.first_slot[:, None] + np.arange(k, dtype=np.uint64)[None, :]
@@ -642,6 +649,11 @@ def _block_tables(layout: _BlockLayout, first: int, count: int) -> tuple[_BlockI
     for part in (table, info.size, info.short_end, info.first_slot, info.epoch, info.short):
         part.flags.writeable = False  # shared by every caller of the cache
     return info, table
+
+
+#: :func:`_make_block_tables`, cached (tables of at most _CACHE_SLOTS slots): consecutive
+#: calls mostly fall in the same blocks, and a table is most of a small call's fixed cost.
+_block_tables = lru_cache(maxsize=16)(_make_block_tables)
 
 
 @dataclass(frozen=True)
