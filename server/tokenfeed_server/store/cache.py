@@ -7,9 +7,10 @@ file and renamed into place, so a file under ``pieces/`` is always a whole, veri
 piece; a server killed mid-fetch leaves only temp files, removed at the next start.
 
 The cache never holds more than ``capacity`` bytes: a piece's bytes are reserved before
-its fetch starts (a temp file being written counts), and room is made by evicting, least
-recently used first, pieces that the prefetch plan does not want, then pieces it wants;
-never a piece pinned by a request waiting for it. Eviction and reads take one lock, so a
+its fetch starts (a temp file being written counts), and room is made by evicting pieces
+that the prefetch plan does not want (those it has just stopped wanting first, then the
+least recently read), then pieces it wants (least recently read first); never a piece
+pinned by a request waiting for it. Eviction and reads take one lock, so a
 piece is never removed while the data plane reads it.
 
 The data plane's loop never waits on object storage: a read that needs a piece not here
@@ -150,7 +151,6 @@ class _Entry:
     digest: str
     state: int
     pins: int = 0
-    used: int = 0  # when last read (a tick of the cache), for the LRU orders
     demand: bool = False  # queued for a waiting request (else: prefetch)
     waiters: list[Waiter] = field(default_factory=list)
 
@@ -219,7 +219,6 @@ class PieceCache:
         self._lru_u: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._lru_w: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
         self._lru_bytes = [0, 0]  # bytes in _lru_u, _lru_w
-        self._tick = 0
         self._open: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._used = 0  # bytes of every entry: on disk, being written, or reserved
         self._resident_bytes = 0  # of verified pieces (kept as counts: stats() is O(1))
@@ -374,10 +373,7 @@ class PieceCache:
         self._stats.hits += refs_count
         fds = []
         wanted, lru_u, lru_w, opened = self._wanted, self._lru_u, self._lru_w, self._open
-        self._tick += 1
-        tick = self._tick
         for digest in digests:
-            entries[digest].used = tick
             (lru_w if digest in wanted else lru_u).move_to_end(digest)
             fd = opened.get(digest)
             if fd is None:
@@ -446,16 +442,24 @@ class PieceCache:
             self._want_list = refs
             self._want_digests = want_digests
             if wanted != self._wanted:
+                # Only the pieces whose status changed move (cheap next to the cache): no
+                # longer wanted (a block the plan has passed) to the front of the not-
+                # wanted order, evicted first; newly wanted to the end of the wanted one.
+                dropped, added = self._wanted - wanted, wanted - self._wanted
                 self._wanted = wanted
-                # Re-split the LRU orders, least recently read first in each.
-                entries = sorted(
-                    [*self._lru_u.values(), *self._lru_w.values()], key=lambda e: e.used
-                )
-                self._lru_u.clear()
-                self._lru_w.clear()
-                self._lru_bytes = [0, 0]
-                for entry in entries:
-                    self._lru_add(entry)
+                for digest in dropped:
+                    entry = self._lru_w.pop(digest, None)
+                    if entry is not None:
+                        self._lru_u[digest] = entry
+                        self._lru_u.move_to_end(digest, last=False)
+                        self._lru_bytes[1] -= entry.size
+                        self._lru_bytes[0] += entry.size
+                for digest in added:
+                    entry = self._lru_u.pop(digest, None)
+                    if entry is not None:
+                        self._lru_w[digest] = entry
+                        self._lru_bytes[0] -= entry.size
+                        self._lru_bytes[1] += entry.size
             self._want_cursor = 0
             # Queued prefetches no longer wanted give their room back.
             for entry in [e for e in self._prefetch if e.digest not in self._wanted]:
@@ -589,8 +593,6 @@ class PieceCache:
         entry.state = _IDLE  # a queued copy in a deque is skipped
 
     def _lru_add(self, entry: _Entry) -> None:
-        self._tick += 1
-        entry.used = self._tick
         wanted = entry.digest in self._wanted
         (self._lru_w if wanted else self._lru_u)[entry.digest] = entry
         self._lru_bytes[wanted] += entry.size
