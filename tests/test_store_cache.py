@@ -10,6 +10,7 @@ prefetch plan does not want first.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
 from shard_data import BYTE
@@ -32,6 +35,7 @@ from tokenfeed_server.store.cache import (
     PieceRef,
     PieceUnreadable,
 )
+from tokenfeed_server.store.format import piece_digest
 from tokenfeed_server.store.mixing import Feed, Source
 from tokenfeed_server.store.objects import ObjectStore, ObjectStoreError, S3Location
 from tokenfeed_server.store.publish import publish_dataset
@@ -486,3 +490,59 @@ def test_transient_errors_are_retried_and_a_missing_object_is_reported(
             objects.put_bytes(key, data)
     finally:
         cache.close()
+
+
+class _LocalFiles:
+    """A piece source over a local directory of shard files (object key = file name)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def get_range(self, key: str, start: int, stop: int) -> bytes:
+        with open(self.root / key, "rb") as f:
+            f.seek(start)
+            return f.read(stop - start)
+
+
+def _local_refs(local: Dataset) -> list[PieceRef]:
+    refs = []
+    for shard in local.manifest.shards:
+        size = shard.file_size(local.dtype.itemsize)
+        for i, digest in enumerate(shard.pieces):
+            stop = min((i + 1) * PIECE, size)
+            refs.append(PieceRef(digest, shard.name, i * PIECE, stop, f"file://{shard.name}"))
+    return refs
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    capacity_pieces=st.integers(4, 16),
+    ops=st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(0, 10_000), min_size=1, max_size=4)),
+        min_size=1,
+        max_size=25,
+    ),
+)
+def test_the_bound_holds_and_pieces_are_exact_under_any_reads_and_wants(
+    published: tuple[Dataset, ObjectStore], capacity_pieces: int, ops: list[tuple[bool, list[int]]]
+) -> None:
+    """Any sequence of reads (admitted whole) and prefetch wants: never over the bound,
+    every piece on disk is exactly its bytes, every read's pieces are all there."""
+    local, _ = published
+    refs = _local_refs(local)
+    capacity = capacity_pieces * PIECE
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = PieceCache(Path(tmp), capacity, _LocalFiles(local.path), fetchers=3)
+        try:
+            for is_want, picks in ops:
+                chosen = [refs[p % len(refs)] for p in picks]
+                if is_want:
+                    cache.want(chosen)
+                else:
+                    cache.fetch_all_blocking(chosen, timeout=30)  # admitted whole, or hangs
+                assert cache.stats()["reserved_bytes"] <= capacity
+                assert cache.disk_bytes() <= capacity
+            for path in (Path(tmp) / "pieces").iterdir():
+                assert piece_digest(path.read_bytes()) == path.name
+        finally:
+            cache.close()
