@@ -1,14 +1,15 @@
 """A store in object storage against the same dataset on local disk, in one run.
 
-    .venv/bin/python benchmarks/bench_s3.py            # full run (a few minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_s3.py            # full run (~2 min a run on 2 cores)
     .venv/bin/python benchmarks/bench_s3.py --quick    # smoke test (under a minute)
 
 Writes one seeded synthetic dataset (Zipf token ids, many small shards, format version 2
 with per-piece checksums) into a local store and publishes the very same files into a
 real S3 protocol server started here (moto's server mode, a separate process on loopback;
 what ``prepare --store s3://...`` does after writing its scratch store). Then, per run,
-each trainer a fresh process reading ``--batches`` timed batches of ``--batch-size`` x
-``--seq-len`` tokens after ``--warmup`` batches, against a fresh server each time:
+each trainer a fresh process reading ``--batches`` timed batches (``--paced-batches`` when
+it simulates a training step) of ``--batch-size`` x ``--seq-len`` tokens after
+``--warmup`` batches, against a fresh server (and an empty cache) each time:
 
 * **steady tokens/s** (global shuffle): the local store, and the S3 store with a cache
   large enough for the dataset, warmed (the warm-up batches, then until the cache's
@@ -24,8 +25,9 @@ each trainer a fresh process reading ``--batches`` timed batches of ``--batch-si
   does nothing but load is throughput, measured above). Target: p99 <= 2x local.
 
 Medians over ``--runs`` (systems alternate within a run, so drift hits all alike).
-Writes ``results/bench_s3.json`` (``bench_s3_quick.json`` with ``--quick``; the results
-directory is where every benchmark here writes, and is not committed).
+Writes ``results/bench_s3.json`` (``bench_s3_quick.json`` with ``--quick``) and the last
+measurement's server log beside it; the results directory is where every benchmark here
+writes, and is not committed. A trainer that fails prints the server's log tail.
 """
 
 from __future__ import annotations
@@ -154,13 +156,17 @@ class Proxy:
         return {}
 
 
-def run_trainer(spec: dict[str, Any]) -> dict[str, Any]:
-    """One trainer in a fresh process; its JSON result."""
+def run_trainer(spec: dict[str, Any], server: Any) -> dict[str, Any]:
+    """One trainer in a fresh process; its JSON result (on failure: why, and the server's
+    log tail)."""
     cmd = [sys.executable, str(HERE / "bench_s3.py"), "--child", json.dumps(spec)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"trainer {spec['label']} failed ({done.returncode}):\n{done.stderr}")
+        raise SystemExit(
+            f"trainer {spec['label']} failed ({done.returncode}):\n{done.stderr[-3000:]}\n"
+            f"server log ({server.log_path}):\n{server.log_tail(40)}"
+        )
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -281,16 +287,18 @@ def measurements(args: argparse.Namespace, dataset_bytes: int) -> list[dict[str,
         {"label": "s3 block (cache 1/3)", "store": "s3", "shuffle": "block",
          "cache": third, "step_ms": 0},
         {"label": "local block paced", "store": "local", "shuffle": "block",
-         "step_ms": args.step_ms},
+         "step_ms": args.step_ms, "batches": args.paced_batches},
         {"label": f"s3+{args.delay_ms:g}ms block paced (cache 1/3)", "store": "s3",
-         "shuffle": "block", "cache": third, "step_ms": args.step_ms, "delay": True},
+         "shuffle": "block", "cache": third, "step_ms": args.step_ms, "delay": True,
+         "batches": args.paced_batches},
     ]  # fmt: skip
 
 
 def measure(
     m: dict[str, Any], args: argparse.Namespace, local: Path, s3: Any, work: Path, seed: int
 ) -> dict[str, Any]:
-    log = work / "server.log"
+    log = args.out / f"{args.name}.server.log"
+    log.write_text("")  # this measurement's server only
     cache_dir = work / "cache"
     shutil.rmtree(cache_dir, ignore_errors=True)  # cold: an empty cache every time
     proxy: Proxy | None = None
@@ -306,17 +314,17 @@ def measure(
             server = start_server(f"s3://{BUCKET}/{PREFIX}", log, env, cache_dir, m["cache"])
         stack.callback(server.stop)
         spec = {
-            **m,
+            **{k: v for k, v in m.items() if k != "batches"},
             "endpoint": server.zmq,
             "status_url": server.http if m["store"] == "s3" else None,
             "seq_len": args.seq_len,
             "batch_size": args.batch_size,
             "seed": seed,
             "warmup": args.warmup,
-            "batches": args.batches,
+            "batches": m.get("batches", args.batches),
             "num_workers": args.num_workers,
         }
-        result = run_trainer(spec)
+        result = run_trainer(spec, server)
     if proxy is not None:
         result["proxy"] = proxy.stop()  # stopped already: this reads its last report
     return result
@@ -364,16 +372,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny dataset, few batches (smoke)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=32 << 20, help="dataset size in tokens")
-    ap.add_argument("--shard-tokens", type=int, default=1 << 20)
-    ap.add_argument("--piece-bytes", type=int, default=256 << 10)
+    ap.add_argument("--tokens", type=int, default=8 << 20, help="dataset size in tokens")
+    ap.add_argument("--shard-tokens", type=int, default=1 << 18)
+    ap.add_argument("--piece-bytes", type=int, default=128 << 10)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=100, help="batches before timing")
-    ap.add_argument("--batches", type=int, default=600, help="timed batches")
+    ap.add_argument("--warmup", type=int, default=50, help="batches before timing")
+    ap.add_argument("--batches", type=int, default=6000, help="timed batches (throughput)")
+    ap.add_argument("--paced-batches", type=int, default=300, help="timed batches (paced)")
     ap.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
     ap.add_argument("--delay-ms", type=float, default=50.0, help="added per object request")
-    ap.add_argument("--step-ms", type=float, default=20.0, help="simulated training step")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="simulated training step")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -382,11 +391,12 @@ def main() -> None:
         return
     if args.quick:
         args.runs, args.tokens, args.shard_tokens, args.piece_bytes = 1, 2 << 20, 64 << 10, 32 << 10
-        args.seq_len, args.warmup, args.batches, args.step_ms = 512, 10, 60, 5.0
+        args.seq_len, args.warmup, args.batches, args.step_ms = 512, 10, 200, 5.0
+        args.paced_batches = 60
     from s3_server import S3Server
 
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "bench_s3_quick" if args.quick else "bench_s3"
+    name = args.name = "bench_s3_quick" if args.quick else "bench_s3"
     t_start = time.perf_counter()
     with (
         tempfile.TemporaryDirectory(prefix="bench-s3-") as tmp,
@@ -426,6 +436,7 @@ def main() -> None:
         "batch": [args.batch_size, args.seq_len],
         "warmup": args.warmup,
         "batches": args.batches,
+        "paced_batches": args.paced_batches,
         "num_workers": args.num_workers,
         "delay_ms": args.delay_ms,
         "step_ms": args.step_ms,

@@ -201,7 +201,7 @@ class CacheWatch:
                     self.max_size = max(self.max_size, int(cache["size_bytes"]))
                     self.max_reserved = max(self.max_reserved, int(cache["reserved_bytes"]))
                 self.samples += 1
-        except BaseException as exc:  # reported by stop(), not lost in the thread
+        except BaseException as exc:  # reported by check(), not lost in the thread
             self.error = exc
 
     def __enter__(self) -> CacheWatch:
@@ -221,6 +221,7 @@ class CacheWatch:
         assert self.max_size <= capacity, f"cache held {self.max_size} > {capacity} bytes"
         assert self.max_reserved <= capacity, f"reserved {self.max_reserved} > {capacity}"
         assert self.max_disk <= capacity, f"cache directory held {self.max_disk} > {capacity}"
+        assert self.max_size > 0 and self.max_disk > 0  # pieces were cached and seen
         assert self.last["evictions"] > 0  # the data did not fit: this tested something
 
 
