@@ -138,6 +138,23 @@ def test_every_request_on_a_keep_alive_connection_pays_the_delay(http_upstream: 
         stats = proxy.proxy.stats
         assert stats.connections == 1  # all of them on one connection, kept alive
         assert stats.delayed_requests == len(sizes) + 1
+        assert stats.waiting == 0  # every one was answered
+
+
+def test_waiting_counts_a_request_until_its_answer_begins(http_upstream: int) -> None:
+    with lp.ProxyThread("127.0.0.1", http_upstream, delay_s=0.5) as proxy:
+        stats = proxy.proxy.stats
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        try:
+            conn.request("GET", "/100")  # sent; the proxy holds it for the delay
+            deadline = time.monotonic() + 10
+            while stats.waiting != 1:  # bounded poll: it is counted on arrival
+                assert time.monotonic() < deadline, "the request was never counted"
+                time.sleep(0.005)
+            assert conn.getresponse().read() == body_of(100)
+            assert stats.waiting == 0
+        finally:
+            conn.close()
 
 
 def test_each_new_connection_pays_the_delay(http_upstream: int) -> None:
