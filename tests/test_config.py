@@ -151,9 +151,9 @@ def test_environment_beats_default_and_flag_beats_environment(
 ) -> None:
     env = {"TOKENFEED_STORE": "/env", "TOKENFEED_ZMQ_PORT": "5", "TOKENFEED_MAX_WINDOW": "3"}
     c = _serve(monkeypatch, [], **env)
-    assert (c.store, c.zmq_port, c.limits.max_window) == (Path("/env"), 5, 3)
+    assert (c.store, c.zmq_port, c.limits.max_window) == ("/env", 5, 3)
     c = _serve(monkeypatch, ["--store", "/flag", "--zmq-port", "9", "--max-window", "4"], **env)
-    assert (c.store, c.zmq_port, c.limits.max_window) == (Path("/flag"), 9, 4)
+    assert (c.store, c.zmq_port, c.limits.max_window) == ("/flag", 9, 4)
     # a valid flag replaces its twin: the twin's bad value is never looked at
     c = _serve(monkeypatch, ["--store", "/s", "--chunk-bytes", "7"], TOKENFEED_CHUNK_BYTES="0")
     assert c.chunk_bytes == 7
@@ -186,7 +186,7 @@ def test_prepare_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TOKENFEED_PREPARE_MEMORY_MB", "12")
     args = build_parser().parse_args(["prepare", "x.txt", "--dataset", "d"])
     s = config.load(PrepareSettings, args)
-    assert (s.store, s.memory_mb, s.seed, s.bpe_train_mb, s.workers) == (Path("/env"), 12, 0, 64, 0)
+    assert (s.store, s.memory_mb, s.seed, s.bpe_train_mb, s.workers) == ("/env", 12, 0, 64, 0)
     args = build_parser().parse_args(
         ["prepare", "x.txt", "--dataset", "d", "--memory-mb", "8", "--seed", str((1 << 64) - 1)]
     )
@@ -212,6 +212,7 @@ def test_every_setting_has_one_flag_and_one_twin() -> None:
         "--store", "--host", "--zmq-port", "--http-port", "--chunk-bytes", "--peer-timeout-s",
         "--job-ttl-s", "--verify-checksums", "--log-level", "--tenants", "--token",
         "--admin-token", "--insecure", "--curve-secret-key", "--max-tokens-per-s",
+        "--cache-dir", "--cache-size", "--remote-scan-interval-s",
         *(f"--{name.replace('_', '-')}" for name in Limits.model_fields),
     }  # fmt: skip
     assert {s.env for s in serve} >= {"TOKENFEED_TENANTS_FILE", "TOKENFEED_CURVE_SECRET_KEY_FILE"}

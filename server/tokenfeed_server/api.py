@@ -25,13 +25,19 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from tokenfeed.errors import DatasetNotFound, InvalidDatasetName, StoreError
 from tokenfeed_server import __version__
 from tokenfeed_server.api_models import (
     BrokenDatasetView,
+    CacheView,
     ConfigView,
     DatasetView,
     ErrorBody,
@@ -286,6 +292,8 @@ def create_app(state: ServerState) -> FastAPI:
         config = dict(state.config.public_view())
         if not who.admin:
             config["store"] = None
+            config["cache_dir"] = None
+        cache = state.store.cache
         return StatusView(
             version=__version__,
             server=state.dataplane.instance,
@@ -295,6 +303,7 @@ def create_app(state: ServerState) -> FastAPI:
             connections=snap["connections"],
             counters=snap["counters"],
             config=ConfigView.model_validate(config),
+            cache=CacheView.model_validate(cache.stats()) if cache is not None else None,
         )
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=_json_errors(401, 403))
@@ -398,3 +407,41 @@ class _SnapshotCollector(Collector):
         for name, value in sorted(snap["counters"].items()):
             events.add_metric([name], value)
         yield events
+        cache = self.state.store.cache
+        if cache is not None:
+            yield from _cache_metrics(cache.stats())
+
+
+def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The piece cache of an s3:// store, from :meth:`PieceCache.stats`."""
+    gauges = {
+        "capacity_bytes": "Most bytes the piece cache may hold",
+        "size_bytes": "Bytes of verified pieces in the cache",
+        "reserved_bytes": "Bytes held, being fetched or queued (never above the capacity)",
+        "pieces": "Verified pieces in the cache",
+        "fetching": "Pieces being fetched now",
+        "wanted_pieces": "Pieces the prefetch plan wants",
+    }
+    for key, doc in gauges.items():
+        yield GaugeMetricFamily(f"tokenfeed_cache_{key}", doc, value=stats[key])
+    counters = {
+        "hits": "Piece look-ups of reads that found the piece cached",
+        "misses": "Piece look-ups of reads that waited for a fetch",
+        "fetches": "Pieces fetched from object storage",
+        "prefetches": "Pieces fetched ahead for the prefetch plan",
+        "bytes_fetched": "Bytes fetched from object storage",
+        "fetch_errors": "Failed GET attempts, each retried",
+        "checksum_mismatches": "Fetched pieces that did not match the manifest",
+        "unreadable": "Pieces given up on after the retries",
+        "evictions": "Pieces evicted to make room",
+    }
+    for key, doc in counters.items():
+        yield CounterMetricFamily(f"tokenfeed_cache_{key}", doc, value=stats[key])
+    buckets = [(str(le), count) for le, count in stats["fetch_latency_buckets"]]
+    buckets.append(("+Inf", stats["fetches"]))
+    yield HistogramMetricFamily(
+        "tokenfeed_cache_fetch_seconds",
+        "Seconds per piece fetch (retries included)",
+        buckets=buckets,
+        sum_value=stats["fetch_latency_sum_s"],
+    )

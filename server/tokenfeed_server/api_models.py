@@ -74,6 +74,43 @@ class BrokenDatasetView(_Model):
     error: str = Field(description="Why it is refused (store paths only for the admin).")
 
 
+class ScheduleSegmentView(_Model):
+    """One segment of a mixture's schedule."""
+
+    start: int = Field(description="Stream position where the segment's weights begin.")
+    weights: dict[str, int] = Field(
+        description="Reduced integer weight per dataset name (absent: weight 0); a period "
+        "of `sum(weights)` rows holds each source exactly its weight times."
+    )
+
+
+class SourceProgressView(_Model):
+    """One source of a mixture job: its plan and how far the job has read it."""
+
+    name: str = Field(description="Dataset name of the source.")
+    fingerprint: str = Field(description="The source's build the job reads.")
+    epoch_windows: int = Field(description="Windows (rows) in one epoch of the source.")
+    region_windows: int = Field(
+        description="Windows per region of the source's block shuffle (0: global shuffle)."
+    )
+    block_regions: int = Field(
+        description="Regions per block of the source's block shuffle (0: global shuffle)."
+    )
+    rows_served: int = Field(
+        description="Rows of the stream up to the job's served position that come from "
+        "this source (the source's own stream position)."
+    )
+    epoch: int = Field(description="The source's own epoch at the job's served position.")
+    consumed_rows: int | None = Field(
+        description="Rows of this source up to the consumed position; null until the "
+        "trainer reports one."
+    )
+    consumed_epoch: int | None = Field(
+        description="The source's own epoch at the consumed position; null until the "
+        "trainer reports one."
+    )
+
+
 class JobView(_Model):
     """One training run as the server sees it.
 
@@ -88,7 +125,10 @@ class JobView(_Model):
         description="Job id, derived from the tenant, the dataset build and the plan inputs."
     )
     tenant: str = Field(description="Tenant that runs the job (`anonymous` on an open server).")
-    dataset: str = Field(description="Name of the dataset the job reads.")
+    dataset: str = Field(
+        description="Name of the dataset the job reads; for a mixture its sources' names "
+        "joined by `+` (cut near 200 characters, ending `+...(N more)`: see `sources`)."
+    )
     seq_len: int = Field(description="Tokens per row, before the one-token shift.")
     batch_size: int = Field(description="Rows per batch of one rank.")
     seed: int = Field(description="Seed of the job's sampling plan.")
@@ -123,7 +163,30 @@ class JobView(_Model):
     )
     epoch_windows: int = Field(
         description="Windows (rows) in one epoch of this job's plan, so the current epoch of "
-        "a position ends at `(epoch + 1) * epoch_windows`."
+        "a position ends at `(epoch + 1) * epoch_windows`. For a mixture: the sum over its "
+        "sources (a nominal epoch; each source's own epoch is in `source_progress`)."
+    )
+    shuffle: Literal["global", "block"] = Field(
+        description="The order: `global` (all windows shuffled per epoch) or `block` (regions "
+        "of consecutive windows shuffled a block of regions at a time)."
+    )
+    region_windows: int = Field(
+        description="Windows per region of the block shuffle (0: global shuffle, or a "
+        "mixture: see `source_progress`)."
+    )
+    block_regions: int = Field(
+        description="Regions per block of the block shuffle (0: global shuffle, or a "
+        "mixture: see `source_progress`)."
+    )
+    sources: list[str] | None = Field(
+        description="A mixture's datasets in source-index order; null for one dataset."
+    )
+    schedule: list[ScheduleSegmentView] | None = Field(
+        description="A mixture's schedule, segment by segment; null for one dataset."
+    )
+    source_progress: list[SourceProgressView] | None = Field(
+        description="A mixture's sources (in `sources` order): rows served and consumed and "
+        "their own epochs; null for one dataset."
     )
     idle_s: float = Field(description="Seconds since the job's last request.")
     retransmits: int = Field(description="Requests for data that was already sent once.")
@@ -162,6 +225,53 @@ class ConfigView(_Model):
     )
     curve: bool = Field(description="True when data traffic is CURVE-encrypted.")
     max_tokens_per_s: int = Field(description="Cap on tokens sent per second; 0 for none.")
+    cache_dir: str | None = Field(
+        default=None,
+        description="Piece cache directory of an s3:// store; null for a local store, or "
+        "unless the caller is the admin.",
+    )
+    cache_size: int | None = Field(
+        default=None, description="Bytes the piece cache may hold; null for a local store."
+    )
+
+
+class CacheView(_Model):
+    """The piece cache of a store in object storage (see `tokenfeed_server.store.cache`)."""
+
+    capacity_bytes: int = Field(description="Most bytes the cache may hold (--cache-size).")
+    size_bytes: int = Field(description="Bytes of verified pieces in the cache now.")
+    reserved_bytes: int = Field(
+        description="Bytes in use or reserved: pieces held, being fetched, or queued; "
+        "never more than the capacity."
+    )
+    pieces: int = Field(description="Verified pieces in the cache now.")
+    fetching: int = Field(description="Pieces being fetched now.")
+    admission_queue: int = Field(
+        description="Requests waiting for room in the cache before their pieces are fetched."
+    )
+    wanted_pieces: int = Field(description="Pieces the prefetch plan wants now.")
+    hits: int = Field(description="Piece look-ups of reads that found the piece cached.")
+    misses: int = Field(description="Piece look-ups of reads that had to wait for a fetch.")
+    fetches: int = Field(description="Pieces fetched from object storage.")
+    prefetches: int = Field(description="Of those, fetched ahead for the prefetch plan.")
+    bytes_fetched: int = Field(description="Bytes fetched from object storage.")
+    fetch_errors: int = Field(description="Failed GET attempts (each retried with backoff).")
+    checksum_mismatches: int = Field(
+        description="Fetched pieces whose bytes did not match the manifest (fetched again)."
+    )
+    unreadable: int = Field(
+        description="Pieces given up on after the retries (their requests got an error)."
+    )
+    evictions: int = Field(description="Pieces evicted to make room.")
+    verified_local: int = Field(
+        description="Pieces found on disk at start-up and reused after hashing them."
+    )
+    fetch_latency_p50_s: float | None = Field(
+        description="Median seconds per piece fetch (last 2048 fetches); null before any."
+    )
+    fetch_latency_p99_s: float | None = Field(
+        description="99th percentile seconds per piece fetch (last 2048); null before any."
+    )
 
 
 class StatusView(_Model):
@@ -175,3 +285,6 @@ class StatusView(_Model):
     connections: int = Field(description="Data connections attached now.")
     counters: dict[str, int] = Field(description="Data plane event counts since start.")
     config: ConfigView = Field(description="The settings in effect.")
+    cache: CacheView | None = Field(
+        default=None, description="The piece cache of an s3:// store; null for a local store."
+    )

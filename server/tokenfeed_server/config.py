@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import functools
 import ipaddress
+import os
+import re
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,9 +32,11 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 __all__ = [
+    "parse_size",
     "DEFAULT_HTTP_PORT",
     "DEFAULT_ZMQ_PORT",
     "Limits",
+    "GcSettings",
     "PrepareSettings",
     "ServerConfig",
     "Setting",
@@ -59,6 +63,43 @@ class Spelling:
 
 def _lower(value: object) -> object:
     return value.lower() if isinstance(value, str) else value
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]|[bB])?\s*")
+_SIZE_UNITS = {
+    **{"": 1, "b": 1},
+    **{u + "b": 1000 ** (i + 1) for i, u in enumerate("kmgt")},
+    **{u + "ib": 1024 ** (i + 1) for i, u in enumerate("kmgt")},
+}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``123``, ``64MB`` (powers of 1000) or ``64MiB`` (powers of 1024).
+
+    Raises ValueError naming the accepted forms.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"a size must be >= 0 bytes, got {text}")
+        return text
+    match = _SIZE_RE.fullmatch(str(text))
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a size: give bytes, or a number with KB/MB/GB/TB (powers of "
+            "1000) or KiB/MiB/GiB/TiB (powers of 1024), e.g. 20GiB"
+        )
+    number, unit = match.group(1), (match.group(2) or "").lower()
+    if "." in number and unit in ("", "b"):
+        raise ValueError(f"{text!r}: a number of bytes must be whole")
+    return int(float(number) * _SIZE_UNITS[unit])
+
+
+def _fspath(value: object) -> object:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _size(value: object) -> object:
+    return parse_size(value) if isinstance(value, str) else value
 
 
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -104,7 +145,25 @@ class ServerConfig(BaseModel):
     #: environment twins are this prefix + the field's name in capitals
     ENV_PREFIX: ClassVar[str] = "TOKENFEED_"
 
-    store: Path = Field(description="store directory")
+    # A string, not a Path: a Path would collapse the '//' of s3://bucket/prefix.
+    store: Annotated[str, BeforeValidator(_fspath)] = Field(
+        min_length=1, description="store directory, or s3://BUCKET/PREFIX"
+    )
+    cache_dir: Path | None = Field(
+        default=None,
+        description="directory of the local piece cache (required for an s3:// store)",
+    )
+    cache_size: Annotated[int | None, BeforeValidator(_size)] = Field(
+        default=None,
+        ge=1,
+        description="bytes the piece cache may hold, e.g. 20GiB or 50GB (required for an "
+        "s3:// store)",
+    )
+    remote_scan_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="seconds between two listings of an s3:// store (new or replaced datasets)",
+    )
     host: str = Field(
         default="127.0.0.1",
         min_length=1,
@@ -158,6 +217,8 @@ class ServerConfig(BaseModel):
         """The settings to log at start-up and to show over HTTP (never a secret)."""
         return {
             "store": str(self.store),
+            "cache_dir": str(self.cache_dir) if self.cache_dir is not None else None,
+            "cache_size": self.cache_size,
             "host": self.host,
             "zmq_port": self.zmq_port,
             "http_port": self.http_port,
@@ -183,7 +244,10 @@ class PrepareSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     ENV_PREFIX: ClassVar[str] = "TOKENFEED_PREPARE_"
 
-    store: Annotated[Path, Spelling(env="TOKENFEED_STORE")] = Field(description="store directory")
+    # a string, not a Path: Path("s3://b/p") would collapse to "s3:/b/p"
+    store: Annotated[str, Spelling(env="TOKENFEED_STORE")] = Field(
+        min_length=1, description="store directory, or s3://BUCKET/PREFIX"
+    )
     dataset: str = Field(min_length=1, description="dataset name")
     tokenizer: str = Field(
         default="byte", min_length=1, description="byte, bpe:VOCAB, or the path of a tokenizer.json"
@@ -217,6 +281,32 @@ class PrepareSettings(BaseModel):
         description="Ray cluster to join with --engine ray (else RAY_ADDRESS, "
         "else a local cluster on --workers CPUs, 0: all)",
     )
+    scratch_dir: Path | None = Field(
+        default=None,
+        description="local directory for the work of a prepare from or into s3:// "
+        "(downloaded inputs, the dataset before upload; default: the system temp dir)",
+    )
+
+
+class GcSettings(BaseModel):
+    """The settings of ``tokenfeed-server gc``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ENV_PREFIX: ClassVar[str] = "TOKENFEED_GC_"
+
+    store: Annotated[str, Spelling(env="TOKENFEED_STORE")] = Field(
+        min_length=1, description="store: s3://BUCKET/PREFIX, or a directory"
+    )
+    dataset: str | None = Field(
+        default=None, min_length=1, description="only this dataset (default: every one)"
+    )
+    grace_s: Annotated[float, Spelling(flag="--grace")] = Field(
+        default=3600.0,
+        ge=0,
+        description="keep unreferenced objects until they, and the manifest that dropped "
+        "them, are this many seconds old",
+    )
+    dry_run: bool = Field(default=False, description="list what would be deleted; delete nothing")
 
 
 # ---------------------------------------------------------------------------- the machinery

@@ -18,6 +18,7 @@ replaced datasets).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -43,9 +44,13 @@ from tokenfeed.protocol import JobSpec
 from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.logbudget import LogBudget
+from tokenfeed_server.prefetch import Prefetcher
 from tokenfeed_server.rates import Rate
 from tokenfeed_server.scheduler import FairQueue, TokenBucket
-from tokenfeed_server.store import Dataset, Store, assemble
+from tokenfeed_server.store import Dataset, Store
+from tokenfeed_server.store.cache import NotResident, Waiter
+from tokenfeed_server.store.mixing import Feed, open_feed
+from tokenfeed_server.store.reader import RemoteDataset
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +77,16 @@ class Refusal(Exception):
 
 @dataclass
 class Job:
-    """A training run as the server sees it: its plan, the open dataset, its counters.
+    """A training run as the server sees it: what it reads (its feed), its counters.
 
-    ``spec.dataset`` is the dataset's name; ``reader`` is the open dataset it reads.
+    ``spec.dataset`` is the dataset's name (``""`` for a mixture: ``spec.sources``);
+    ``feed`` holds the open datasets and one plan per source (see
+    :mod:`tokenfeed_server.store.mixing`).
     """
 
     id: str
     spec: JobSpec
-    reader: Dataset
-    plan: Plan
+    feed: Feed
     tenant: str
     weight: float = 1.0
     max_count: int = 1
@@ -100,6 +106,17 @@ class Job:
     served_rate: Rate = field(default_factory=lambda: Rate(_RATE_WINDOW_S))
     consumed_rate: Rate = field(default_factory=lambda: Rate(_RATE_WINDOW_S))
 
+    @property
+    def reader(self) -> Dataset:
+        """The open dataset of a single-dataset job (a mixture's first source)."""
+        return self.feed.first.dataset
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of a single-dataset job (a mixture's first source's: batch, world
+        and positions are the same in every source's plan)."""
+        return self.feed.first.plan
+
 
 @dataclass
 class Peer:
@@ -115,10 +132,29 @@ class Peer:
     last_seen: float = field(default_factory=time.monotonic)
 
 
-def job_id(spec: JobSpec, fingerprint: str, tenant: str) -> str:
-    """Deterministic id: every rank and worker of a run, and a restarted server, agree."""
-    key = f"{spec}|{fingerprint}|{tenant}".encode()
-    return hashlib.blake2b(key, digest_size=8).hexdigest()
+def job_id(spec: JobSpec, feed: Feed, tenant: str) -> str:
+    """Deterministic id: every rank and worker of a run, and a restarted server, agree.
+
+    It covers the spec (a mixture's reduced schedule included), every source's build and
+    the block sizes each source's plan uses (derived ones too, so a hello that names the
+    derived sizes joins the same job as one that leaves them at 0).
+    """
+    if not spec.is_mixture and spec.shuffle == "global":
+        # The key of single-dataset jobs from before mixtures: their ids do not change.
+        plain = (
+            f"JobSpec(dataset={spec.dataset!r}, seq_len={spec.seq_len}, "
+            f"batch_size={spec.batch_size}, seed={spec.seed}, world_size={spec.world_size})"
+        )
+        key = f"{plain}|{feed.fingerprint}|{tenant}"
+    else:
+        # The sizes each plan uses, not the ones asked for (0: derive).
+        asked = dataclasses.replace(spec, region_windows=0, block_regions=0)
+        sources = ";".join(
+            f"{s.name}:{s.dataset.fingerprint}:{s.plan.region_windows}:{s.plan.block_regions}"
+            for s in feed.sources
+        )
+        key = f"{asked}|{sources}|{tenant}"
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
 class DataPlane:
@@ -157,6 +193,11 @@ class DataPlane:
         self.snapshot: dict[str, Any] = {"jobs": [], "connections": 0, "counters": {}}
         self._last_snapshot = 0.0
         self._log_budget = LogBudget()
+        # Requests waiting for pieces of a remote store: (waiter, jid, connection, get);
+        # and the waiters of requests re-queued last turn, released after their retry.
+        self._parked: list[tuple[Waiter, str, bytes, protocol.Get]] = []
+        self._retried: list[Waiter] = []
+        self._prefetcher = Prefetcher(store.cache) if store.cache is not None else None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -218,6 +259,8 @@ class DataPlane:
         self._bound.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        if self.store.cache is not None:  # readable when parked requests' pieces are in
+            poller.register(self.store.cache.wake_fd, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 wait = _MAX_POLL_MS
@@ -225,6 +268,7 @@ class DataPlane:
                     wait = min(wait, int(self._bucket.wait_s() * 1000 + 0.999))
                 if poller.poll(wait):
                     self._drain(sock)
+                self._unpark(sock)
                 self._queue.serve_round(
                     lambda jid, item: self._serve(sock, jid, *item), self._bucket.ready
                 )
@@ -291,17 +335,33 @@ class DataPlane:
         window = self._authorize(ident, tenant, msg)
         job = self._resolve_job(tenant, msg)
         self._register_peer(ident, tenant, msg, job, window)
-        manifest = job.reader.manifest
+        feed = job.feed
+        manifest = feed.first.dataset.manifest  # dtype and EOS: the same in every source
+        per_source: dict[str, Any] = {}
+        if feed.is_mixture:
+            per_source = {
+                "source_fingerprints": [s.dataset.fingerprint for s in feed.sources],
+                "source_tokens": [s.dataset.n_tokens for s in feed.sources],
+                "source_windows": [s.plan.n_windows for s in feed.sources],
+                "source_region_windows": [s.plan.region_windows for s in feed.sources],
+                "source_block_regions": [s.plan.block_regions for s in feed.sources],
+            }
+        else:
+            per_source = {
+                "region_windows": job.plan.region_windows,
+                "block_regions": job.plan.block_regions,
+            }
         welcome = protocol.Welcome(
             server=self.instance,
             job=job.id,
-            fingerprint=job.reader.fingerprint,
-            n_tokens=job.reader.n_tokens,
-            n_windows=job.plan.n_windows,
+            fingerprint=feed.fingerprint,
+            n_tokens=feed.n_tokens,
+            n_windows=feed.n_windows,
             dtype=manifest.dtype,
             window=window,
             max_count=job.max_count,
             eos_id=manifest.tokenizer.eos_id,
+            **per_source,
         )
         self._send(sock, ident, [welcome.header()])
 
@@ -310,9 +370,13 @@ class DataPlane:
         connection slot is free; return the granted credit window."""
         limits = self.config.limits
         if self.tenants is not None:
-            denied = self.tenants.authorize(tenant, msg.dataset)
-            if denied is not None:
-                raise denied
+            for name in msg.sources or (msg.dataset,):
+                denied = self.tenants.authorize(tenant, name)
+                if denied is not None:
+                    if msg.sources:  # say which source of the mixture is not allowed
+                        message = f"mixture source {name!r}: {denied}"
+                        raise ServerError.from_code(denied.code, message, retry=denied.retry)
+                    raise denied
         if msg.window < 1:
             raise ProtocolError(f"window must be >= 1, got {msg.window}")
         if msg.batch_size * (msg.seq_len + 1) > limits.max_batch_tokens:
@@ -336,18 +400,27 @@ class DataPlane:
         return min(msg.window, limits.max_window)
 
     def _resolve_job(self, tenant: str, msg: protocol.Hello) -> Job:
-        """The job these inputs name, created on first sight; its dataset from memory."""
-        ds = self._dataset(tenant, msg.dataset)
-        if msg.fingerprint and msg.fingerprint != ds.fingerprint:
-            raise Refusal(
-                "dataset_changed",
-                f"dataset {msg.dataset!r} on this server is build {ds.fingerprint}, but this "
-                f"job expects build {msg.fingerprint} (it was rebuilt since, e.g. by prepare "
-                "--overwrite): continuing would train on different data. Restore that build, "
-                "or start over on purpose from a fresh state (no checkpointed loader state)",
-            )
-        spec = JobSpec(msg.dataset, msg.seq_len, msg.batch_size, msg.seed, msg.world_size)
-        jid = job_id(spec, ds.fingerprint, tenant)
+        """The job these inputs name, created on first sight; its datasets from memory.
+
+        A mixture's hello names its sources: each is looked up and checked (build,
+        tokenizer) and gets its own plan (see :func:`~tokenfeed_server.store.mixing.open_feed`).
+        """
+        names = msg.sources or (msg.dataset,)
+        feed = open_feed([self._dataset(tenant, name) for name in names], msg)
+        schedule = feed.mixture.to_wire() if feed.mixture is not None else ()
+        spec = JobSpec(
+            msg.dataset,
+            msg.seq_len,
+            msg.batch_size,
+            msg.seed,
+            msg.world_size,
+            sources=msg.sources,
+            schedule=schedule,  # type: ignore[arg-type]  # lists, made tuples by JobSpec
+            shuffle=msg.shuffle,
+            region_windows=msg.region_windows,
+            block_regions=msg.block_regions,
+        )
+        jid = job_id(spec, feed, tenant)
         job = self.jobs.get(jid)
         if job is not None:
             if not any(p.job == jid for p in self.peers.values()):
@@ -357,16 +430,9 @@ class DataPlane:
                 # end-of-loop report (a hello of its own) must not zero a live rate.
                 job.consumed = -1
             return job
-        plan = Plan(
-            n_tokens=ds.n_tokens,
-            seq_len=msg.seq_len,
-            batch_size=msg.batch_size,
-            world_size=msg.world_size,
-            seed=msg.seed,
-        )
         limits = self.config.limits
         # batches per chunk: about chunk_bytes, never over max_chunk_bytes, at least 1
-        batch_bytes = msg.batch_size * (msg.seq_len + 1) * ds.dtype.itemsize
+        batch_bytes = msg.batch_size * (msg.seq_len + 1) * feed.first.dataset.dtype.itemsize
         if batch_bytes > limits.max_chunk_bytes:
             raise Refusal(
                 "bad_request",
@@ -375,9 +441,17 @@ class DataPlane:
             )
         chunk = min(self.config.chunk_bytes, limits.max_chunk_bytes)
         max_count = min(chunk // batch_bytes, _MAX_ROWS_PER_CHUNK // msg.batch_size)
+        row_bytes = (msg.seq_len + 1) * feed.first.dataset.dtype.itemsize
+        for source in feed.sources:
+            ds = source.dataset
+            if isinstance(ds, RemoteDataset):
+                # A request's pieces must fit in the cache at once (else CacheTooSmall);
+                # clients split requests by max_count, so the batches do not change.
+                rows = ds.cache.rows_per_request(ds.piece_bytes, row_bytes)
+                max_count = min(max_count, rows // msg.batch_size)
         self._make_room_for_a_job()
         weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
-        job = Job(jid, spec, ds, plan, tenant, weight=weight, max_count=max(1, max_count))
+        job = Job(jid, spec, feed, tenant, weight=weight, max_count=max(1, max_count))
         self.jobs[jid] = job
         self._queue.add(jid, weight)
         if self._log_budget.take():
@@ -534,16 +608,19 @@ class DataPlane:
             return 0  # the peer was dropped while this waited: nothing to send
         peer.queued -= 1
         try:
-            tokens, window_ids, epochs = assemble(
-                job.reader, job.plan, req.rank, req.pos, count=req.count, stride=req.stride
-            )
+            tokens, rows = job.feed.assemble(req.rank, req.pos, count=req.count, stride=req.stride)
+        except NotResident as exc:  # nothing read; answered once the pieces are in
+            peer.queued += 1  # still outstanding on its connection
+            self._parked.append((exc.waiter, jid, ident, req))
+            self.counters["parked"] += 1
+            return 0
         except StoreError as exc:  # e.g. a shard truncated under the running server
             if self._log_budget.take():
                 log.error("job %s: %s", job.id, exc)
             # Only this dataset's jobs fail; the message names it, never the store's path.
             err = protocol.Err(
                 code="unknown_dataset",
-                message=f"dataset {job.spec.dataset!r} cannot be read on the server (a shard "
+                message=f"dataset {job.feed.label!r} cannot be read on the server (a shard "
                 "changed under it); the operator should check the server log and rebuild it",
                 retry=False,
                 req=req.req,
@@ -561,7 +638,6 @@ class DataPlane:
             )
             self._send(sock, ident, [err.header()])
             return 0
-        rows = {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs}
         if not self._send(sock, ident, protocol.chunk_frames(req.req, tokens, rows)):
             return 0
         job.batches += req.count
@@ -572,6 +648,48 @@ class DataPlane:
         self.counters["bytes_sent"] += tokens.nbytes
         self._bucket.spend(tokens.size)
         return int(tokens.nbytes)
+
+    def _unpark(self, sock: zmq.Socket[bytes]) -> None:
+        """Each loop turn: unpin the pieces of requests retried last turn, re-queue the
+        parked requests whose pieces are in (their job's turn serves them now), and fail
+        those whose pieces stay unreadable, with an error naming the object."""
+        cache = self.store.cache
+        if cache is None:
+            return
+        for waiter in self._retried:
+            cache.release(waiter)
+        self._retried = []
+        cache.completed()  # clears the wake descriptor
+        if not self._parked:
+            return
+        waiting = []
+        for item in self._parked:
+            waiter, jid, ident, req = item
+            if not waiter.done:
+                waiting.append(item)
+                continue
+            peer = self.peers.get(ident)
+            job = self.jobs.get(jid)
+            if peer is None or job is None or peer.job != jid:
+                cache.release(waiter)  # its connection or job went away meanwhile
+                continue
+            if waiter.error is not None:
+                cache.release(waiter)
+                peer.queued -= 1
+                self.counters["err_unreadable"] += 1
+                if self._log_budget.take():
+                    log.error("job %s: %s", job.id, waiter.error)
+                err = protocol.Err(
+                    code="unknown_dataset",
+                    message=f"dataset {job.feed.label!r} cannot be served: {waiter.error}",
+                    retry=False,
+                    req=req.req,
+                )
+                self._send(sock, ident, [err.header()])
+                continue
+            self._retried.append(waiter)
+            self._queue.push(jid, (ident, req))
+        self._parked = waiting
 
     def _send(self, sock: zmq.Socket[bytes], ident: bytes, frames: list[Any]) -> bool:
         try:
@@ -625,6 +743,8 @@ class DataPlane:
         if now - self._last_snapshot < _SNAPSHOT_EVERY_S:
             return
         self._last_snapshot = now
+        if self._prefetcher is not None:  # the pieces active jobs read next, fetched ahead
+            self._prefetcher.update(self.jobs.values(), now)
         for ident, peer in list(self.peers.items()):
             if now - peer.last_seen > self.config.peer_timeout_s:
                 self._forget_peer(ident, gone=True)
@@ -645,7 +765,7 @@ class DataPlane:
         per_job = collections.Counter(jid for jid, _, _ in workers)
         jobs = []
         for job in self.jobs.values():
-            windows = job.plan.n_windows
+            windows = job.feed.n_windows
             served_rate = job.served_rate.sample(now, job.tokens)
             consumed_rate = 0.0
             if job.consumed >= 0:
@@ -655,7 +775,7 @@ class DataPlane:
                 {
                     "id": job.id,
                     "tenant": job.tenant,
-                    "dataset": job.spec.dataset,
+                    "dataset": job.feed.label,
                     "seq_len": job.spec.seq_len,
                     "batch_size": job.spec.batch_size,
                     "seed": job.spec.seed,
@@ -676,6 +796,7 @@ class DataPlane:
                     "retransmits": job.retransmits,
                     "queued": self._queue.queued(job.id),
                     "created": job.created,
+                    **job.feed.describe(job.position, job.consumed),
                 }
             )
         return {

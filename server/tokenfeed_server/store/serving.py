@@ -11,6 +11,11 @@ next scan on; one replaced on disk (``prepare --overwrite``, noticed by the iden
 its manifest file) is reopened for new jobs, while running jobs keep the old files and
 their clients see the fingerprint change when they reconnect; one removed is no longer
 found.
+
+A store in object storage (``s3://BUCKET/PREFIX``) works the same way: the watcher lists
+``PREFIX/*/manifest.json`` every ``scan_interval_s`` (a replaced manifest has a new ETag)
+and opens :class:`~tokenfeed_server.store.reader.RemoteDataset` objects, which read
+verified pieces through the server's :class:`~tokenfeed_server.store.cache.PieceCache`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -32,20 +37,28 @@ from tokenfeed.errors import DatasetNotFound, StoreError
 from tokenfeed.plan import INT64_MAX, Plan
 from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store.format import MANIFEST_NAME
+from tokenfeed_server.store.objects import ObjectStoreError, S3Location
 from tokenfeed_server.store.reader import (
     Dataset,
     list_datasets,
+    list_remote_datasets,
     open_dataset,
+    open_remote_dataset,
     validate_dataset_name,
 )
+
+if TYPE_CHECKING:
+    from tokenfeed_server.store.cache import PieceCache
+    from tokenfeed_server.store.objects import ObjectStore
 
 log = logging.getLogger(__name__)
 
 #: Seconds between two scans of the store directory by the watcher.
 DEFAULT_SCAN_INTERVAL_S = 0.5
 
-# The identity of a manifest file: a dataset published again gets a new inode.
-_Signature = tuple[int, int, int]
+# The identity of a manifest file: a dataset published again gets a new inode (local),
+# a new ETag (object storage).
+_Signature = tuple[object, ...]
 
 
 @dataclass(frozen=True)
@@ -63,14 +76,21 @@ class Store:
 
     def __init__(
         self,
-        root: Path,
+        root: Path | S3Location,
         *,
         verify_checksums: bool = False,
         scan_interval_s: float = DEFAULT_SCAN_INTERVAL_S,
+        objects: ObjectStore | None = None,
+        cache: PieceCache | None = None,
     ) -> None:
         if scan_interval_s <= 0:
             raise ValueError(f"scan_interval_s must be > 0, got {scan_interval_s}")
+        if isinstance(root, S3Location) and (objects is None or cache is None):
+            raise ValueError("a store in object storage needs its ObjectStore and a PieceCache")
         self.root = root
+        #: For a store in object storage: its objects, and the cache its datasets read from.
+        self.objects = objects if isinstance(root, S3Location) else None
+        self.cache = cache if isinstance(root, S3Location) else None
         self.verify_checksums = verify_checksums
         self.scan_interval_s = scan_interval_s
         # Replaced whole by the watcher, never mutated: readers need no lock.
@@ -92,7 +112,9 @@ class Store:
         Checksums are verified here when the Store was made with ``verify_checksums``;
         never for datasets that appear or change later, so a rescan stays cheap.
         """
-        if not self.root.is_dir():
+        if self.objects is not None:
+            self.objects.check_bucket()
+        elif not isinstance(self.root, Path) or not self.root.is_dir():
             raise StoreError(
                 f"store directory {self.root} does not exist; create it with "
                 "`tokenfeed-server prepare ... --store DIR` or point --store at an existing one"
@@ -176,6 +198,9 @@ class Store:
     def _rescan(self, verify_checksums: bool, initial: bool) -> dict[str, _Entry]:
         old = self._entries
         new: dict[str, _Entry] = {}
+        if self.objects is not None:
+            return self._rescan_remote(old, initial)
+        assert isinstance(self.root, Path)
         for name in list_datasets(self.root) if self.root.is_dir() else []:
             entry = old.get(name)
             try:
@@ -198,11 +223,34 @@ class Store:
             new[name] = entry
         return new
 
+    def _rescan_remote(self, old: dict[str, _Entry], initial: bool) -> dict[str, _Entry]:
+        """One listing of ``<prefix>/*/manifest.json``; (re)open what is new or changed."""
+        assert self.objects is not None
+        new: dict[str, _Entry] = {}
+        for name, signature in list_remote_datasets(self.objects).items():
+            entry = old.get(name)
+            if entry is None or entry.signature != signature:
+                # Running jobs hold the old Dataset: its pieces are content-addressed
+                # objects that stay in the bucket until gc, so they never mix builds.
+                entry = self._open(name, signature, False)
+                self._report(name, entry, initial or name not in old)
+                if isinstance(entry.error, ObjectStoreError):
+                    # Object storage failed (after retries), not the dataset: try again
+                    # at the next scan instead of keeping it broken until it changes.
+                    entry = _Entry((), None, entry.error)
+            new[name] = entry
+        return new
+
     def _open(self, name: str, signature: _Signature, verify_checksums: bool) -> _Entry:
         # A failure is kept under its signature: a damaged dataset is not re-read on every
         # scan, only once its manifest changes (a rebuild).
         try:
-            ds = open_dataset(self.root, name, verify_checksums=verify_checksums)
+            if self.objects is not None:
+                assert self.cache is not None
+                ds: Dataset = open_remote_dataset(self.objects, self.cache, name)
+            else:
+                assert isinstance(self.root, Path)
+                ds = open_dataset(self.root, name, verify_checksums=verify_checksums)
         except StoreError as exc:
             return _Entry(signature, None, exc)
         except Exception as exc:
@@ -387,7 +435,8 @@ class WindowBlocks:
     :attr:`block` consecutive positions at a time and serves the next chunks from it:
     the same pure function of the position, evaluated in bigger batches, so the order is
     the plan's to the bit. Blocks are keyed by what the function depends on (the number
-    of windows and the seed), so jobs with the same ones share them; the least recently
+    of windows, the seed, the shuffle mode and sizes: :attr:`Plan.order_key`), so jobs
+    with the same ones share them; the least recently
     used goes when there are ``max_blocks``. A request whose rows are sparse in the
     positions they span (one rank of a large world, widely strided workers) is computed
     directly: a block would then mostly hold rows this server never sends.
@@ -396,7 +445,9 @@ class WindowBlocks:
     def __init__(self, block: int = 8192, max_blocks: int = 64) -> None:
         self.block = block
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[tuple[int, int, int], _Block] = OrderedDict()
+        self._blocks: OrderedDict[tuple[tuple[str, int, int, int, int], int], _Block] = (
+            OrderedDict()
+        )
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -429,7 +480,7 @@ class WindowBlocks:
         return ids[index], epochs[index]
 
     def _block(self, plan: Plan, b: int) -> _Block:
-        key = (plan.n_windows, plan.seed, b)
+        key = (plan.order_key, b)  # shuffle mode and sizes too: block/global never share
         with self._lock:
             block = self._blocks.get(key)
             if block is not None:
