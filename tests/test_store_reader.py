@@ -69,6 +69,57 @@ def test_gather_into_out_and_bounds(store: Path) -> None:
     assert ds.gather(np.array([], dtype=np.int64), 10).shape == (0, 10)
 
 
+def scattered_rows(n: int, length: int, dtype: np.dtype, rng: np.random.Generator):
+    """A sentinel-filled buffer of ``2 * n`` rows and ``n`` of its rows picked at random,
+    as 1-tuples of views (a mixture's rows of one source among another's)."""
+    big = np.full((2 * n, length), 0xABCD & ((1 << (8 * dtype.itemsize)) - 1), dtype=dtype)
+    picked = np.sort(rng.choice(2 * n, size=n, replace=False))
+    views = [(memoryview(big[i]),) for i in picked.tolist()]
+    return big, picked, views
+
+
+@pytest.mark.parametrize("shard_tokens", [7, 100, 1 << 20])
+def test_gather_rows_writes_every_row_only_through_its_view(store: Path, shard_tokens: int) -> None:
+    docs = random_docs(60)
+    write_dataset(store, "d", docs, tokenizer=BYTE, shuffle_seed=3, shard_tokens=shard_tokens)
+    ref = stream(docs, 256)
+    rng = np.random.default_rng(5)
+    with open_dataset(store, "d") as ds:
+        length = 17
+        starts = rng.integers(0, len(ref) - length, size=150)
+        big, picked, views = scattered_rows(len(starts), length, ds.dtype, rng)
+        sentinel = big[0, 0].copy()
+        ds.gather_rows(starts, length, views)
+        for i, s in zip(picked.tolist(), starts.tolist(), strict=True):
+            np.testing.assert_array_equal(big[i], ref[s : s + length])
+        others = np.setdiff1d(np.arange(len(big)), picked)
+        assert (big[others] == sentinel).all()  # nothing written anywhere else
+        with pytest.raises(ValueError, match="rows has 2 rows"):
+            ds.gather_rows(starts[:3], length, views[:2])
+        with pytest.raises(ValueError, match="bytes"):
+            ds.gather_rows(starts[:2], length + 1, views[:2])
+        with pytest.raises(IndexError, match="outside dataset"):
+            ds.gather_rows([len(ref)], length, views[:1])
+
+
+def test_gather_rows_after_a_failed_fast_read_still_fills_only_the_views(store: Path) -> None:
+    """The slow path (a read failed, then row by row) writes through the views too."""
+    docs = random_docs(40)
+    write_dataset(store, "d", docs, tokenizer=BYTE, shuffle_seed=0, shard_tokens=100)
+    ref = stream(docs, 256)
+    with open_dataset(store, "d") as ds:
+        last = ds.manifest.shards[-1]
+        os.truncate(store / "d" / last.name, HEADER_SIZE + 10)
+        starts = np.array([0, 3, 250, 7])
+        big, picked, views = scattered_rows(len(starts), 6, ds.dtype, np.random.default_rng(1))
+        ds.gather_rows(starts, 6, views)  # no row in the truncated shard: all read
+        for i, s in zip(picked.tolist(), starts.tolist(), strict=True):
+            np.testing.assert_array_equal(big[i], ref[s : s + 6])
+        bad = np.array([0, ds.n_tokens - 6])
+        with pytest.raises(CorruptShard, match=last.name):
+            ds.gather_rows(bad, 6, views[:2])
+
+
 @pytest.mark.parametrize("shard_tokens", [100, 1 << 20])
 def test_gather_from_a_shard_truncated_while_open(store: Path, shard_tokens: int) -> None:
     docs = random_docs(40)

@@ -196,6 +196,7 @@ def _assemble_mixture(
     out, out_rows = _row_buffers.take_rows((n, length), dtype)
     window_ids = np.empty(n, dtype=np.int64)
     epochs = np.empty(n, dtype=np.int64)
+    every_row: Sequence[tuple[Any]] | None = out_rows
     for s, src in enumerate(sources):
         picked = np.flatnonzero(which == s)
         if picked.size == 0:
@@ -210,14 +211,12 @@ def _assemble_mixture(
             continue
         window_ids[picked] = ids
         epochs[picked] = eps
-        # Dataset.gather writes rows that cross a shard boundary (and a retried read)
-        # through ``out``'s memory, so its ``out`` must be exactly these rows: gather
-        # into a pooled scratch buffer, then place the rows (one copy of this source's
-        # rows; pread straight into out's row views would need gather to write every
-        # row through ``rows``).
-        part, part_rows = _row_buffers.take_rows((picked.size, length), dtype)
-        src.dataset.gather(starts, length, out=part, rows=part_rows)
-        out[picked] = part
+        # Each source reads its rows straight into their places in the request's buffer
+        # (no scratch buffer, no copy): gather_rows writes every row only through the
+        # views it is given, including rows read piecewise across a shard boundary.
+        if every_row is None:  # a buffer not pooled: its rows' views made here, once
+            every_row = list(zip(out))
+        src.dataset.gather_rows(starts, length, list(map(every_row.__getitem__, picked.tolist())))
     rows = {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs, protocol.ROW_SOURCE: which}
     return out, rows
 

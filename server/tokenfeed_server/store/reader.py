@@ -226,6 +226,37 @@ class Dataset:
             )
         if n == 0 or length == 0:
             return out
+        if rows is not None and len(rows) != n:
+            raise ValueError(f"rows has {len(rows)} rows, out {n}")
+        self._check_windows(starts_arr, length)
+        self._gather(starts_arr, length, out, rows)
+        return out
+
+    def gather_rows(self, starts: npt.ArrayLike, length: int, rows: Sequence[tuple[Any]]) -> None:
+        """Write ``stream[starts[i] : starts[i] + length]`` into ``rows[i][0]``, a writable
+        C-contiguous buffer of exactly ``length`` tokens' bytes anywhere in memory (a
+        mixture's rows of one source, scattered over the request's buffer): every row is
+        written there and nowhere else, whatever path its read takes. Errors as
+        :meth:`gather`.
+        """
+        starts_arr = np.asarray(starts, dtype=np.int64).reshape(-1)
+        length = int(length)
+        n = len(starts_arr)
+        if len(rows) != n:
+            raise ValueError(f"rows has {len(rows)} rows for {n} starts")
+        if n == 0 or length == 0:
+            return
+        self._check_windows(starts_arr, length)
+        # Only the first row's size is checked: a per-row check would cost Python per row.
+        got = memoryview(rows[0][0]).nbytes
+        if got != length * self.dtype.itemsize:
+            raise ValueError(
+                f"rows[0] has {got} bytes; a row of {length} tokens of {self.dtype} has "
+                f"{length * self.dtype.itemsize}"
+            )
+        self._gather(starts_arr, length, None, rows)
+
+    def _check_windows(self, starts_arr: npt.NDArray[np.int64], length: int) -> None:
         if length < 0:
             raise ValueError(f"length must be >= 0, got {length}")
         lo, hi = int(starts_arr.min()), int(starts_arr.max())
@@ -235,21 +266,32 @@ class Dataset:
                 f"window [{bad}, {bad + length}) is outside dataset {self.name!r} "
                 f"of {self.n_tokens} tokens"
             )
+
+    def _gather(
+        self,
+        starts_arr: npt.NDArray[np.int64],
+        length: int,
+        out: np.ndarray | None,
+        rows: Sequence[tuple[Any]] | None,
+    ) -> None:
+        """Read the windows (checked, at least one of ``length`` > 0) into ``rows`` when
+        given, else into ``out``'s rows: every row, also one read piecewise or again."""
         if not self._fds:
             raise StoreError(f"dataset {self.name!r} is closed")
+        n = len(starts_arr)
         itemsize = self.dtype.itemsize
         row = length * itemsize
-        buf = out.data.cast("B")
         # The loop over rows runs in C (map, zip, sum over os.preadv): no Python bytecode
         # per row, which was most of the cost of reading small rows. preadv takes a
-        # sequence of buffers: a 1-tuple per row, holding that row of ``out`` (iterating
-        # an array yields its rows as views; cheaper than slicing a memoryview).
+        # sequence of buffers: a 1-tuple per row, ``rows``' or else holding that row of
+        # ``out`` (iterating an array yields its rows as views; cheaper than slicing a
+        # memoryview).
+        row_bufs: Iterator[tuple[Any]]
         if rows is None:
-            row_bufs: Iterator[tuple[Any]] = zip(out)  # ndarray rows (typeshed: not buffers)
-        elif len(rows) == n:
-            row_bufs = iter(rows)
+            assert out is not None
+            row_bufs = zip(out)  # ndarray rows (typeshed: not buffers)
         else:
-            raise ValueError(f"rows has {len(rows)} rows, out {n}")
+            row_bufs = iter(rows)
         crossing: list[int] = []
         fds: Iterable[int]
         if len(self._fds) == 1:
@@ -273,24 +315,30 @@ class Dataset:
             got = sum(map(os.preadv, fds, row_bufs, offsets.tolist()))
         except OSError:
             got = -1
+        # The rows read piecewise or again go where the fast path puts them: through
+        # ``rows`` when given (views of anywhere, e.g. a mixture's scattered rows of one
+        # source), else into ``out``'s rows.
         if got != expected:
-            self._gather_slowly(buf, starts_arr.tolist(), row)
-            return out
-        for i in crossing:
-            k = int(np.searchsorted(self._bounds, starts_arr[i], side="right")) - 1
-            self._read_into(buf[i * row : (i + 1) * row], int(starts_arr[i]), k)
-        return out
+            target = _row_target(out, rows, row)
+            self._gather_slowly(map(target, range(n)), starts_arr.tolist())
+            return
+        if crossing:
+            target = _row_target(out, rows, row)
+            for i in crossing:
+                k = int(np.searchsorted(self._bounds, starts_arr[i], side="right")) - 1
+                self._read_into(target(i), int(starts_arr[i]), k)
 
-    def _gather_slowly(self, buf: memoryview, starts: list[int], row: int) -> None:
-        """Read row by row, raising CorruptShard naming the shard of the first failed read.
+    def _gather_slowly(self, targets: Iterable[memoryview], starts: list[int]) -> None:
+        """Read row by row into ``targets``, raising CorruptShard naming the shard of the
+        first failed read.
 
         The fast path only knows that some read failed; this names which (a file changed
         under the server). Rows that read in full this time are simply served.
         """
         bounds = self._bounds
-        for i, s in enumerate(starts):
+        for target, s in zip(targets, starts, strict=True):
             k = int(np.searchsorted(bounds, s, side="right")) - 1
-            self._read_into(buf[i * row : (i + 1) * row], s, k)
+            self._read_into(target, s, k)
 
     def _document_index(self, k: int) -> np.ndarray:
         index = self._index.get(k)
@@ -353,6 +401,18 @@ class Dataset:
         """Close the shard files; reading afterwards raises StoreError."""
         self._finalizer()
         self._index.clear()
+
+
+def _row_target(
+    out: np.ndarray | None, rows: Sequence[tuple[Any]] | None, row: int
+) -> Callable[[int], memoryview]:
+    """Where row ``i`` of a gather goes, as bytes: ``rows[i][0]`` when rows are given
+    (they may be views of anywhere, not of ``out``), else row ``i`` of ``out``."""
+    if rows is not None:
+        return lambda i: memoryview(rows[i][0]).cast("B")
+    assert out is not None
+    buf = out.data.cast("B")
+    return lambda i: buf[i * row : (i + 1) * row]
 
 
 def _close_all(fds: list[int]) -> None:
@@ -674,41 +734,17 @@ class RemoteDataset(Dataset):
                 done += n
         return out
 
-    def gather(
+    def _gather(
         self,
-        starts: npt.ArrayLike,
+        starts_arr: npt.NDArray[np.int64],
         length: int,
-        out: np.ndarray | None = None,
-        *,
-        rows: Sequence[tuple[memoryview]] | None = None,
-    ) -> np.ndarray:
-        """Rows ``out[i] = stream[starts[i] : starts[i] + length]``, as
-        :meth:`Dataset.gather`, from the cache (NotResident, nothing read, if pieces are
-        missing)."""
-        starts_arr = np.asarray(starts, dtype=np.int64).reshape(-1)
-        length = int(length)
-        n = len(starts_arr)
-        if out is None:
-            out = np.empty((n, length), dtype=self.dtype)
-        elif out.shape != (n, length) or out.dtype != self.dtype or not out.flags.c_contiguous:
-            raise ValueError(
-                f"out has shape {out.shape} and dtype {out.dtype}; expected a C-contiguous "
-                f"{(n, length)} array of {self.dtype}"
-            )
-        if n == 0 or length == 0:
-            return out
-        if length < 0:
-            raise ValueError(f"length must be >= 0, got {length}")
-        lo, hi = int(starts_arr.min()), int(starts_arr.max())
-        if lo < 0 or hi + length > self.n_tokens:
-            bad = lo if lo < 0 else hi
-            raise IndexError(
-                f"window [{bad}, {bad + length}) is outside dataset {self.name!r} "
-                f"of {self.n_tokens} tokens"
-            )
+        out: np.ndarray | None,
+        rows: Sequence[tuple[Any]] | None,
+    ) -> None:
+        """:meth:`Dataset._gather` from the cache (NotResident, nothing read, if pieces
+        are missing): every row into ``rows`` when given, else into ``out``'s rows."""
         self._check_open()
-        if rows is not None and len(rows) != n:
-            raise ValueError(f"rows has {len(rows)} rows, out {n}")
+        n = len(starts_arr)
         itemsize = self.dtype.itemsize
         row = length * itemsize
         p = self.piece_bytes
@@ -744,7 +780,6 @@ class RemoteDataset(Dataset):
         else:
             ids = np.unique(g0)
             inner = offsets % p
-        buf = out.data.cast("B")
         with self.cache.lock:
             id_list = ids.tolist()
             digests = self.digests
@@ -754,6 +789,7 @@ class RemoteDataset(Dataset):
             fd_arr = np.asarray(fd_list, dtype=np.int64)
             fds_simple = fd_arr[np.searchsorted(ids, g0)].tolist()
             if rows is None:
+                assert out is not None
                 row_bufs: Iterator[Any] = zip(out)  # ndarray rows (typeshed: not buffers)
             else:
                 row_bufs = iter(rows)
@@ -769,13 +805,15 @@ class RemoteDataset(Dataset):
                     f"the cache directory {self.cache.directory}: restart the server"
                 )
             if others:
+                # Where the fast path would have put them: ``rows`` when given (maybe
+                # views of anywhere), else ``out``'s rows.
+                target = _row_target(out, rows, row)
                 fd_of = dict(zip(ids.tolist(), fd_list, strict=True))
                 for i, spans in zip(others, slow_spans, strict=True):
-                    done = i * row
+                    buf, done = target(i), 0
                     for k, off, nb in spans:
                         self._read_file(buf[done : done + nb], k, off, fd_of)
                         done += nb
-        return out
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:
         """As :meth:`Dataset.document_starts`, from the cache (NotResident if missing)."""
