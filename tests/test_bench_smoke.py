@@ -53,3 +53,45 @@ def test_quick_mode_writes_every_system(tmp_path: Path) -> None:
         assert "skipped" in s or s["tokens_per_s"] > 0, peer  # optional extra
     assert set(result["memory_vs_store_size"]) >= {"tokenfeed nw=0", "tokenfeed nw=2"}
     assert (out / "bench_loaders_quick.png").exists()
+
+
+def _run_bench(script: str, *args: str, timeout: float) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_mixture_bench_quick_measures_every_row_and_the_loader_pair() -> None:
+    math_out = _run_bench("bench_mixture.py", "--quick", timeout=280)
+    rates = [
+        float(line.split("|")[3])
+        for line in math_out.splitlines()
+        if line.startswith("| locate") or line.startswith("| Plan.windows")
+    ]
+    assert len(rates) == 6 and all(r > 0 for r in rates), math_out
+    loader_out = _run_bench(
+        "bench_mixture.py", "--loader", "--runs", "1", "--loader-batches", "40", timeout=280
+    )
+    assert "mixture / single" in loader_out, loader_out
+
+
+@pytest.mark.timeout(300)
+def test_block_shuffle_bench_quick_prints_both_tables() -> None:
+    out = _run_bench("bench_block_shuffle.py", "--quick", timeout=280)
+    assert "| global" in out and "| block" in out, out
+
+
+@pytest.mark.timeout(420)
+def test_s3_bench_quick_writes_every_measurement_and_ratio(tmp_path: Path) -> None:
+    _run_bench("bench_s3.py", "--quick", "--out", str(tmp_path), timeout=400)
+    result = json.loads((tmp_path / "bench_s3_quick.json").read_text())
+    for label, m in result["measurements"].items():
+        assert m["tokens_per_s"] > 0, label
+    assert set(result["ratios"]) and all(v > 0 for v in result["ratios"].values())

@@ -554,3 +554,86 @@ def test_a_long_mixture_label_is_cut_saying_how_many_sources_are_left_out(
     assert shown == names[: len(shown)] and feed.label.endswith(f"({30 - len(shown)} more)")
     short = Feed(tuple(Source(n, opened["web"], plan) for n in NAMES))
     assert short.label == "web+code+math"
+
+
+# -- the data plane's mixture read path, without sockets --------------------------------
+
+
+def mixed_feed(store: Path, opened: dict[str, Dataset]) -> Feed:
+    mixture = Mixture(SCHEDULE)
+    sources = tuple(
+        Source(n, opened[n], Plan(opened[n].n_tokens, SEQ, BATCH, WORLD, seed=source_seed(SEED, n)))
+        for n in mixture.names
+    )
+    return Feed(sources, mixture)
+
+
+def expected_rows(feed: Feed, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, tokens) of every position by the definition: locate, then each source's
+    own plan and dataset, one row at a time."""
+    assert feed.mixture is not None
+    which, spos = feed.mixture.locate(positions)
+    rows = []
+    for s, p in zip(which.tolist(), spos.tolist(), strict=True):
+        src = feed.sources[s]
+        ids, _ = src.plan.windows(np.array([p]))
+        start = int(ids[0]) * SEQ
+        rows.append(src.dataset.read(start, start + SEQ + 1))
+    return which, np.stack(rows)
+
+
+@pytest.mark.parametrize("pos", [0, 200, 8192 - 40, 5 * 8192 + 3])
+@pytest.mark.parametrize("stride", [1, 3])
+def test_a_mixture_request_equals_the_definition_across_blocks_and_strides(
+    store: Path, opened: dict[str, Dataset], pos: int, stride: int
+) -> None:
+    """Cached blocks of the mixture's order (a request inside one block, across two,
+    strided) and the one-pass read over every source's shards give exactly the rows the
+    mixture math and each source's plan define."""
+    feed = mixed_feed(store, opened)
+    plan = feed.first.plan
+    for rank in range(2):
+        positions = plan.rank_positions(rank, pos, 12, stride)
+        tokens, rows = feed.assemble(rank, pos, count=12, stride=stride)
+        which, want = expected_rows(feed, positions)
+        np.testing.assert_array_equal(rows[protocol.ROW_SOURCE], which)
+        np.testing.assert_array_equal(tokens, want)
+
+
+def test_a_mixture_read_of_a_damaged_source_names_it(
+    tmp_path: Path, opened: dict[str, Dataset]
+) -> None:
+    """A source whose shard was cut under the server fails the read naming that source;
+    a closed source says closed; the others' rows are unaffected."""
+    import os
+
+    from tokenfeed.errors import CorruptShard, StoreError
+    from tokenfeed_server.store.format import HEADER_SIZE
+    from tokenfeed_server.store.reader import MixedGather
+
+    root = tmp_path / "store"
+    for k, name in enumerate(NAMES):
+        lo, hi = RANGES[name]
+        write_dataset(root, name, docs(lo, hi, 60, k), tokenizer=BYTE, shuffle_seed=k,
+                      shard_tokens=500)  # fmt: skip
+    sets = [open_dataset(root, n) for n in NAMES]
+    try:
+        reader = MixedGather(sets)
+        which = np.array([0, 1, 2, 1, 0, 2], dtype=np.int64)
+        starts = np.array([0, 499 - 3, 10, 20, 998, 0], dtype=np.int64)  # 2 cross shards
+        out = np.zeros((6, 8), dtype=sets[0].dtype)
+        reader.gather(which, starts, 8, out=out)
+        for i, (s, st) in enumerate(zip(which.tolist(), starts.tolist(), strict=True)):
+            np.testing.assert_array_equal(out[i], sets[s].read(st, st + 8))
+        with pytest.raises(IndexError, match="outside dataset 'math'"):
+            reader.gather(which, np.array([0, 0, 10**6, 0, 0, 0]), 8, out=out)
+        code = sets[1]
+        os.truncate(root / "code" / code.manifest.shards[0].name, HEADER_SIZE + 10)
+        with pytest.raises(CorruptShard, match="dataset 'code'"):
+            reader.gather(which, starts, 8, out=out)
+        sets[2].close()
+        with pytest.raises(StoreError, match="'math' is closed"):
+            reader.gather(np.array([0, 2]), np.array([0, 0]), 8, out=out[:2])
+    finally:
+        for ds in sets:
+            ds.close()

@@ -32,7 +32,7 @@ from tokenfeed import protocol
 from tokenfeed.errors import ConfigError, DatasetChanged, PlanError, RequestRejected
 from tokenfeed.mixture import MAX_PERIOD, Mixture, source_seed
 from tokenfeed.plan import Plan, default_block_sizes
-from tokenfeed_server.store.reader import Dataset
+from tokenfeed_server.store.reader import Dataset, MixedGather
 from tokenfeed_server.store.serving import _row_buffers, _window_blocks, assemble
 
 __all__ = ["MAX_LABEL", "MAX_TABLE_ROWS", "Feed", "Source", "open_feed"]
@@ -179,46 +179,68 @@ class Feed:
                 src.dataset, src.plan, rank, pos, count=count, stride=stride
             )
             return tokens, {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs}
-        return _assemble_mixture(self.sources, self.mixture, rank, pos, count=count, stride=stride)
+        return self._assemble_mixture(rank, pos, count=count, stride=stride)
+
+    @cached_property
+    def _order(self) -> MixedOrder:
+        assert self.mixture is not None
+        return MixedOrder(self.sources, self.mixture)
+
+    @cached_property
+    def _reader(self) -> MixedGather:
+        """Reads a mixture's requests across its sources in one pass."""
+        return MixedGather([src.dataset for src in self.sources])
+
+    def _assemble_mixture(
+        self, rank: int, pos: int, *, count: int, stride: int
+    ) -> tuple[np.ndarray, dict[str, IntArray]]:
+        # Positions do not depend on a plan's dataset (only batch, world and stride), so
+        # the first source's plan gives the request's stream positions for all.
+        plan = self.first.plan
+        positions = plan.rank_positions(rank, pos, count, stride)  # sorted, as blocks need
+        which, window_ids, epochs, starts = _window_blocks.windows(self._order, positions)
+        length = plan.seq_len + 1
+        out, out_rows = _row_buffers.take_rows((positions.size, length), self.first.dataset.dtype)
+        # Every source's rows straight into their places in the request's buffer, in one
+        # pass over the request when the sources are local files (no per-source copy).
+        self._reader.gather(which, starts, length, out=out, rows=out_rows)
+        rows = {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs}
+        return out, {**rows, protocol.ROW_SOURCE: which}
 
 
-def _assemble_mixture(
-    sources: tuple[Source, ...], mixture: Mixture, rank: int, pos: int, *, count: int, stride: int
-) -> tuple[np.ndarray, dict[str, IntArray]]:
-    # Positions do not depend on a plan's dataset (only batch, world and stride), so the
-    # first source's plan gives the request's stream positions for all.
-    plan = sources[0].plan
-    positions = plan.rank_positions(rank, pos, count, stride)
-    which, spos = mixture.locate(positions)
-    n = positions.size
-    length = plan.seq_len + 1
-    dtype = sources[0].dataset.dtype
-    out, out_rows = _row_buffers.take_rows((n, length), dtype)
-    window_ids = np.empty(n, dtype=np.int64)
-    epochs = np.empty(n, dtype=np.int64)
-    every_row: Sequence[tuple[Any]] | None = out_rows
-    for s, src in enumerate(sources):
-        picked = np.flatnonzero(which == s)
-        if picked.size == 0:
-            continue
-        # A source's positions in a request are increasing (each is the count of earlier
-        # rows of that source), as the window blocks need, and mostly consecutive.
-        ids, eps = _window_blocks.windows(src.plan, spos[picked])
-        starts = src.plan.token_starts(ids)
-        if picked.size == n:  # the whole request from one source: straight into out
-            window_ids, epochs = ids, eps
-            src.dataset.gather(starts, length, out=out, rows=out_rows)
-            continue
-        window_ids[picked] = ids
-        epochs[picked] = eps
-        # Each source reads its rows straight into their places in the request's buffer
-        # (no scratch buffer, no copy): gather_rows writes every row only through the
-        # views it is given, including rows read piecewise across a shard boundary.
-        if every_row is None:  # a buffer not pooled: its rows' views made here, once
-            every_row = list(zip(out))
-        src.dataset.gather_rows(starts, length, list(map(every_row.__getitem__, picked.tolist())))
-    rows = {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs, protocol.ROW_SOURCE: which}
-    return out, rows
+class MixedOrder:
+    """A mixture's whole order as one pure function of the stream position, for the
+    server's shared :class:`~tokenfeed_server.store.serving.WindowBlocks`: positions to
+    ``(source, window id, epoch in the source, first token)`` per row. Computed a block
+    of positions at a time and cached like a plan's windows, so a request costs slices of
+    a block instead of a locate and a plan evaluation per source."""
+
+    def __init__(self, sources: Sequence[Source], mixture: Mixture) -> None:
+        self.sources = tuple(sources)
+        self.mixture = mixture
+        #: everything :meth:`windows` depends on (a source's seq_len sets its starts)
+        self.order_key = (
+            "mixture",
+            mixture,
+            tuple((src.plan.order_key, src.plan.seq_len) for src in self.sources),
+        )
+
+    def windows(self, positions: IntArray) -> tuple[IntArray, ...]:
+        """``(source, window_ids, epochs, token_starts)`` of sorted stream positions."""
+        which, spos = self.mixture.locate(positions)
+        n = len(positions)
+        window_ids = np.empty(n, dtype=np.int64)
+        epochs = np.empty(n, dtype=np.int64)
+        starts = np.empty(n, dtype=np.int64)
+        for s, src in enumerate(self.sources):
+            picked = np.flatnonzero(which == s)
+            if picked.size:
+                # a source's positions are increasing: the count of its earlier rows
+                ids, eps = src.plan.windows(spos[picked])
+                window_ids[picked] = ids
+                epochs[picked] = eps
+                starts[picked] = src.plan.token_starts(ids)
+        return which, window_ids, epochs, starts
 
 
 # -- building a feed from a hello ---------------------------------------------------------

@@ -279,46 +279,21 @@ class Dataset:
         if not self._fds:
             raise StoreError(f"dataset {self.name!r} is closed")
         n = len(starts_arr)
-        itemsize = self.dtype.itemsize
-        row = length * itemsize
-        # The loop over rows runs in C (map, zip, sum over os.preadv): no Python bytecode
-        # per row, which was most of the cost of reading small rows. preadv takes a
-        # sequence of buffers: a 1-tuple per row, ``rows``' or else holding that row of
-        # ``out`` (iterating an array yields its rows as views; cheaper than slicing a
-        # memoryview).
+        row = length * self.dtype.itemsize
         row_bufs: Iterator[tuple[Any]]
         if rows is None:
             assert out is not None
             row_bufs = zip(out)  # ndarray rows (typeshed: not buffers)
         else:
             row_bufs = iter(rows)
-        crossing: list[int] = []
-        fds: Iterable[int]
-        if len(self._fds) == 1:
-            fds = itertools.repeat(self._fds[0], n)
-            offsets = starts_arr * itemsize + HEADER_SIZE
-        else:
-            first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
-            last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
-            offsets = (starts_arr - self._bounds[first]) * itemsize + HEADER_SIZE
-            fds = np.asarray(self._fds, dtype=np.int64)[first].tolist()
-            whole = first == last
-            if not whole.all():  # rows across a shard boundary: read piecewise below
-                crossing = np.flatnonzero(~whole).tolist()
-                keep = whole.tolist()
-                row_bufs = itertools.compress(row_bufs, keep)
-                fds = itertools.compress(fds, keep)
-                offsets = offsets[whole]
-        # Every byte is counted: a short read anywhere shows in the total.
-        expected = (n - len(crossing)) * row
-        try:
-            got = sum(map(os.preadv, fds, row_bufs, offsets.tolist()))
-        except OSError:
-            got = -1
+        crossing = _pread_rows(
+            self._fds, self._bounds, starts_arr, length, itemsize=self.dtype.itemsize,
+            row_bufs=row_bufs,
+        )  # fmt: skip
         # The rows read piecewise or again go where the fast path puts them: through
         # ``rows`` when given (views of anywhere, e.g. a mixture's scattered rows of one
         # source), else into ``out``'s rows.
-        if got != expected:
+        if crossing is None:
             target = _row_target(out, rows, row)
             self._gather_slowly(map(target, range(n)), starts_arr.tolist())
             return
@@ -401,6 +376,114 @@ class Dataset:
         """Close the shard files; reading afterwards raises StoreError."""
         self._finalizer()
         self._index.clear()
+
+
+def _pread_rows(
+    fds: Sequence[int],
+    bounds: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64],
+    length: int,
+    *,
+    itemsize: int,
+    row_bufs: Iterator[tuple[Any]],
+) -> list[int] | None:
+    """Read row ``i`` (``length`` tokens from token ``starts[i]`` of the files ``fds``,
+    file ``k`` holding tokens ``[bounds[k], bounds[k+1])``) into the next of ``row_bufs``
+    with one ``preadv`` each: the indices of the rows that cross a file boundary (not
+    read: the caller reads them piecewise), or None when some read failed or came short
+    (the caller reads row by row to name the file).
+
+    The loop over rows runs in C (map, zip, sum over os.preadv): no Python bytecode per
+    row, which was most of the cost of reading small rows. preadv takes a sequence of
+    buffers: a 1-tuple per row (iterating an array yields its rows as views; cheaper
+    than slicing a memoryview).
+    """
+    n = len(starts)
+    crossing: list[int] = []
+    fd_iter: Iterable[int]
+    if len(fds) == 1:
+        fd_iter = itertools.repeat(fds[0], n)
+        offsets = starts * itemsize + HEADER_SIZE
+    else:
+        first = np.searchsorted(bounds, starts, side="right") - 1
+        last = np.searchsorted(bounds, starts + (length - 1), side="right") - 1
+        offsets = (starts - bounds[first]) * itemsize + HEADER_SIZE
+        fd_iter = np.asarray(fds, dtype=np.int64)[first].tolist()
+        whole = first == last
+        if not whole.all():  # rows across a file boundary: left to the caller
+            crossing = np.flatnonzero(~whole).tolist()
+            keep = whole.tolist()
+            row_bufs = itertools.compress(row_bufs, keep)
+            fd_iter = itertools.compress(fd_iter, keep)
+            offsets = offsets[whole]
+    # Every byte is counted: a short read anywhere shows in the total.
+    expected = (n - len(crossing)) * length * itemsize
+    try:
+        got = sum(map(os.preadv, fd_iter, row_bufs, offsets.tolist()))
+    except OSError:
+        return None
+    return crossing if got == expected else None
+
+
+class MixedGather:
+    """Rows of several datasets of one dtype in one pass (a mixture's requests):
+    :meth:`gather` reads ``out[i] = datasets[which[i]]``'s tokens ``[starts[i],
+    starts[i] + length)``.
+
+    Local datasets are read as one list of files (each dataset's shards after the
+    previous one's, offsets shifted to match), so a whole request is one pass of
+    ``preadv`` in row order straight into ``out``: a mixture costs about what one dataset
+    costs. A dataset in object storage, a closed one, a failed read or a row across a
+    shard boundary goes through that dataset's own :meth:`Dataset.gather_rows`, which
+    raises naming it.
+    """
+
+    def __init__(self, datasets: Sequence[Dataset]) -> None:
+        self.datasets = tuple(datasets)
+        self._local = all(type(ds) is Dataset for ds in self.datasets)
+        sizes = np.asarray([ds.n_tokens for ds in self.datasets], dtype=np.int64)
+        self._sizes = sizes
+        self._base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._bounds = np.concatenate(
+            [ds._bounds[:-1] + b for ds, b in zip(self.datasets, self._base.tolist(), strict=True)]
+            + [sizes.sum(keepdims=True)]
+        )
+
+    def gather(
+        self,
+        which: npt.NDArray[np.int64],
+        starts: npt.NDArray[np.int64],
+        length: int,
+        *,
+        out: np.ndarray,
+        rows: Sequence[tuple[Any]] | None = None,
+    ) -> None:
+        """Fill ``out`` (``[len(starts), length]``, C-contiguous, the datasets' dtype;
+        ``rows`` its rows as for :meth:`Dataset.gather`). Errors as :meth:`Dataset.gather`,
+        naming the dataset."""
+        if len(starts) == 0 or length <= 0:
+            return
+        if rows is None:
+            rows = list(zip(out))
+        todo: npt.NDArray[np.int64] | None = None  # rows left to each dataset (None: all)
+        fds = [fd for ds in self.datasets for fd in ds._fds] if self._local else []
+        if len(fds) == len(self._bounds) - 1:  # every local dataset open
+            inside = int(starts.min()) >= 0 and bool((starts + length <= self._sizes[which]).all())
+            if inside:
+                crossing = _pread_rows(
+                    fds, self._bounds, starts + self._base[which], length,
+                    itemsize=self.datasets[0].dtype.itemsize, row_bufs=iter(rows),
+                )  # fmt: skip
+                if crossing == []:
+                    return
+                if crossing is not None:  # only the rows across a shard boundary
+                    todo = np.asarray(crossing, dtype=np.int64)
+        for s, ds in enumerate(self.datasets):
+            picked = np.flatnonzero(which == s)
+            if todo is not None:
+                picked = picked[np.isin(picked, todo)]
+            if picked.size:
+                ds.gather_rows(starts[picked], length, [rows[i] for i in picked.tolist()])
 
 
 def _row_target(

@@ -25,10 +25,10 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -422,8 +422,24 @@ class _Slot:
 _row_buffers = RowBuffers()
 
 
-# A block's window ids and epochs.
-_Block = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
+IntArray = npt.NDArray[np.int64]
+# A block's arrays: a plan's window ids and epochs (or whatever an Order gives).
+_Block = tuple[IntArray, ...]
+
+
+class Order(Protocol):
+    """What :class:`WindowBlocks` caches: a pure function of stream positions to arrays
+    of the same length (a :class:`~tokenfeed.plan.Plan`: window ids and epochs; a
+    mixture's whole order: source, window id, epoch and first token per row)."""
+
+    @property
+    def order_key(self) -> Hashable:
+        """Everything :meth:`windows` depends on: equal keys give equal arrays."""
+        ...
+
+    def windows(self, positions: IntArray) -> tuple[IntArray, ...]:
+        """The arrays for ``positions``."""
+        ...
 
 
 class WindowBlocks:
@@ -439,55 +455,50 @@ class WindowBlocks:
     with the same ones share them; the least recently
     used goes when there are ``max_blocks``. A request whose rows are sparse in the
     positions they span (one rank of a large world, widely strided workers) is computed
-    directly: a block would then mostly hold rows this server never sends.
+    directly: a block would then mostly hold rows this server never sends. Any
+    :class:`Order` is cached the same way (a mixture's, see
+    :mod:`tokenfeed_server.store.mixing`).
     """
 
     def __init__(self, block: int = 8192, max_blocks: int = 64) -> None:
         self.block = block
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[tuple[tuple[str, int, int, int, int], int], _Block] = (
-            OrderedDict()
-        )
+        self._blocks: OrderedDict[tuple[Hashable, int], _Block] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         """Blocks held now."""
         return len(self._blocks)
 
-    def windows(
-        self, plan: Plan, positions: npt.NDArray[np.int64]
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """``plan.windows(positions)`` for sorted positions, from cached blocks if dense."""
+    def windows(self, order: Order, positions: IntArray) -> tuple[IntArray, ...]:
+        """``order.windows(positions)`` for sorted positions, from cached blocks if dense."""
         if positions.size == 0:
-            return plan.windows(positions)
+            return order.windows(positions)
         lo, hi = int(positions[0]), int(positions[-1])
         size = self.block
         first, last = lo // size, hi // size
         dense = positions.size * _DENSITY >= hi - lo + 1
         if not dense or last - first >= self.max_blocks // 2 or (last + 1) * size > INT64_MAX:
-            return plan.windows(positions)
+            return order.windows(positions)
         base = first * size
         if first == last and hi - lo + 1 == positions.size:
             # One run of positions (the common case): views of the block, no copies.
-            ids, epochs = self._block(plan, first)
-            return ids[lo - base : hi + 1 - base], epochs[lo - base : hi + 1 - base]
-        blocks = [self._block(plan, b) for b in range(first, last + 1)]
+            return tuple(part[lo - base : hi + 1 - base] for part in self._block(order, first))
+        blocks = [self._block(order, b) for b in range(first, last + 1)]
         index = positions - base
         if len(blocks) == 1:
-            return blocks[0][0][index], blocks[0][1][index]
-        ids = np.concatenate([ids for ids, _ in blocks])
-        epochs = np.concatenate([epochs for _, epochs in blocks])
-        return ids[index], epochs[index]
+            return tuple(part[index] for part in blocks[0])
+        return tuple(np.concatenate(parts)[index] for parts in zip(*blocks, strict=True))
 
-    def _block(self, plan: Plan, b: int) -> _Block:
-        key = (plan.order_key, b)  # shuffle mode and sizes too: block/global never share
+    def _block(self, order: Order, b: int) -> _Block:
+        key = (order.order_key, b)  # shuffle mode and sizes too: block/global never share
         with self._lock:
             block = self._blocks.get(key)
             if block is not None:
                 self._blocks.move_to_end(key)
                 return block
         size = self.block
-        block = plan.windows(np.arange(b * size, (b + 1) * size, dtype=np.int64))
+        block = order.windows(np.arange(b * size, (b + 1) * size, dtype=np.int64))
         for part in block:
             part.flags.writeable = False  # shared by every job with this key
         with self._lock:
