@@ -447,7 +447,7 @@ class DataPlane:
             if isinstance(ds, RemoteDataset):
                 # A request's pieces must fit in the cache at once (else CacheTooSmall);
                 # clients split requests by max_count, so the batches do not change.
-                rows = ds.cache.rows_per_request(ds.piece_bytes, row_bytes)
+                rows = ds.cache.rows_per_request(ds.piece_bytes, row_bytes, ds.nbytes)
                 max_count = min(max_count, rows // msg.batch_size)
         self._make_room_for_a_job()
         weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0

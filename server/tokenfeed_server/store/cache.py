@@ -58,6 +58,9 @@ __all__ = [
     "parse_size",
 ]
 
+#: :meth:`PieceCache.rows_per_request` when a request cannot outgrow the cache.
+UNLIMITED_ROWS = 1 << 62
+
 log = logging.getLogger(__name__)
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
@@ -310,11 +313,17 @@ class PieceCache:
                 self.removed_at_start,
             )
 
-    def rows_per_request(self, piece_bytes: int, row_bytes: int) -> int:
+    def rows_per_request(
+        self, piece_bytes: int, row_bytes: int, dataset_bytes: int | None = None
+    ) -> int:
         """The most rows of ``row_bytes`` one request may read so that its pieces (of
         ``piece_bytes``) fit in half the cache at once, whatever rows it reads (at least
         1): what a job's ``max_count`` times its batch size should not exceed, or a
-        request could need more room than the cache has (:class:`CacheTooSmall`)."""
+        request could need more room than the cache has (:class:`CacheTooSmall`). A
+        dataset of ``dataset_bytes`` that fits in half the cache whole allows any number
+        (no request can need more than all its pieces)."""
+        if dataset_bytes is not None and dataset_bytes <= self.capacity // 2:
+            return UNLIMITED_ROWS
         per_row = (-(-row_bytes // piece_bytes) + 1) * piece_bytes
         return max(1, (self.capacity // 2) // per_row)
 
