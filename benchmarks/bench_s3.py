@@ -388,6 +388,9 @@ def main() -> None:
     ap.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
     ap.add_argument("--delay-ms", type=float, default=50.0, help="added per object request")
     ap.add_argument("--step-ms", type=float, default=10.0, help="simulated training step")
+    ap.add_argument(
+        "--only", help="comma-separated measurement labels to run (default: all; ratios need pairs)"
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -413,6 +416,9 @@ def main() -> None:
         dataset_bytes = publish(local, s3.env())
         print(f"# dataset: {dataset_bytes / 1e6:.1f} MB locally and in s3://{BUCKET}/{PREFIX}")
         plan = measurements(args, dataset_bytes)
+        if args.only:
+            wanted = {label.strip() for label in args.only.split(",")}
+            plan = [m for m in plan if m["label"] in wanted]
         runs: dict[str, list[dict[str, Any]]] = {m["label"]: [] for m in plan}
         for r in range(args.runs):
             for m in plan:
@@ -425,7 +431,7 @@ def main() -> None:
                     flush=True,
                 )
     summary = {label: summarize(rs) for label, rs in runs.items()}
-    rat = ratios(summary, args.delay_ms)
+    rat = ratios(summary, args.delay_ms) if not args.only else {}
     text = table(summary)
     print(text)
     print()

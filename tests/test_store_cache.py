@@ -456,25 +456,25 @@ def test_requests_within_rows_per_request_always_fit(
         cache.close()
 
 
-def test_a_dataset_that_fits_in_half_the_cache_takes_requests_of_any_size(
+def test_a_dataset_that_fits_in_the_cache_takes_requests_of_any_size(
     published: tuple[Dataset, ObjectStore], tmp_path: Path
 ) -> None:
-    """No request can need more than all of a dataset's pieces: when they fit in half the
+    """No request can need more than all of a dataset's pieces: when they fit in the
     cache, the rows bound is lifted, and a request far over the per-row bound (rows
     anywhere, every shard) is admitted and exact."""
     local, objects = published
     nbytes = sum(s.file_size(local.dtype.itemsize) for s in local.manifest.shards)
-    cache = _cache(tmp_path, objects, 2 * nbytes)
+    cache = _cache(tmp_path, objects, nbytes)
     try:
         ds = open_remote_dataset(objects, cache, "d")
         assert cache.rows_per_request(PIECE, 4098, ds.nbytes) == UNLIMITED_ROWS
         assert ds.nbytes == nbytes
-        assert cache.rows_per_request(PIECE, 4098, nbytes + 1) < UNLIMITED_ROWS  # over half
+        assert cache.rows_per_request(PIECE, 4098, nbytes + 1) < UNLIMITED_ROWS  # too big
         bounded = cache.rows_per_request(PIECE, 4098)
         starts = np.random.default_rng(4).integers(0, local.n_tokens - 2049, size=4 * bounded)
         got = read_blocking(ds, lambda: ds.gather(starts, 2049).copy())
         np.testing.assert_array_equal(got, local.gather(starts, 2049))
-        assert cache.stats()["reserved_bytes"] <= 2 * nbytes
+        assert cache.stats()["reserved_bytes"] <= nbytes
     finally:
         cache.close()
 

@@ -31,6 +31,7 @@ import collections
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import re
@@ -60,6 +61,12 @@ __all__ = [
 
 #: :meth:`PieceCache.rows_per_request` when a request cannot outgrow the cache.
 UNLIMITED_ROWS = 1 << 62
+
+
+def _drain(it: Iterable[object]) -> None:
+    """Run an iterator to its end (in C)."""
+    collections.deque(it, maxlen=0)
+
 
 log = logging.getLogger(__name__)
 
@@ -320,9 +327,10 @@ class PieceCache:
         ``piece_bytes``) fit in half the cache at once, whatever rows it reads (at least
         1): what a job's ``max_count`` times its batch size should not exceed, or a
         request could need more room than the cache has (:class:`CacheTooSmall`). A
-        dataset of ``dataset_bytes`` that fits in half the cache whole allows any number
-        (no request can need more than all its pieces)."""
-        if dataset_bytes is not None and dataset_bytes <= self.capacity // 2:
+        dataset of ``dataset_bytes`` that fits in the cache whole allows any number: no
+        request can need more than all its pieces, and admission is all or nothing, so
+        requests of other jobs wait for room rather than fail."""
+        if dataset_bytes is not None and dataset_bytes <= self.capacity:
             return UNLIMITED_ROWS
         per_row = (-(-row_bytes // piece_bytes) + 1) * piece_bytes
         return max(1, (self.capacity // 2) // per_row)
@@ -380,17 +388,17 @@ class PieceCache:
             raise NotResident(self, waiter)
         refs_count = len(digests)
         self._stats.hits += refs_count
-        fds = []
-        wanted, lru_u, lru_w, opened = self._wanted, self._lru_u, self._lru_w, self._open
-        for digest in digests:
-            (lru_w if digest in wanted else lru_u).move_to_end(digest)
-            fd = opened.get(digest)
-            if fd is None:
-                fd = self._open_file(digest)
-                opened[digest] = fd
-            else:
-                opened.move_to_end(digest)
-            fds.append(fd)
+        wanted, opened = self._wanted, self._open
+        # Per piece, the loops run in C (map, filter, a zero-length deque draining them):
+        # a request of a global shuffle touches a piece per row.
+        _drain(map(self._lru_w.move_to_end, filter(wanted.__contains__, digests)))
+        _drain(map(self._lru_u.move_to_end, itertools.filterfalse(wanted.__contains__, digests)))
+        fds: list[int | None] = list(map(opened.get, digests))
+        if None in fds:
+            for i, digest in enumerate(digests):
+                if fds[i] is None:
+                    fds[i] = opened[digest] = self._open_file(digest)
+        _drain(map(opened.move_to_end, digests))
         # Descriptors of pieces read least recently go first (never one just returned:
         # they were moved to the end).
         excess = len(opened) - max(self.max_open, refs_count)
@@ -398,7 +406,7 @@ class PieceCache:
             _, fd = opened.popitem(last=False)
             os.close(fd)
             excess -= 1
-        return fds
+        return fds  # type: ignore[return-value]  # every None was replaced above
 
     def _open_file(self, digest: str) -> int:
         try:

@@ -843,12 +843,27 @@ class RemoteDataset(Dataset):
         pieces = offsets // p
         g0 = self._piece_base[first] + pieces
         # Rows in one piece of one shard (nearly all when rows are small next to pieces)
-        # are read in one pread each, in C; the others piece by piece.
-        simple = whole & (pieces == (offsets + (row - 1)) // p)
-        others = [] if simple.all() else np.flatnonzero(~simple).tolist()
+        # are read in one pread each, in C; rows across one piece boundary of one shard
+        # (the next most common) in two, their pieces found in bulk; the others (across
+        # a shard boundary, or longer than a piece) span by span.
+        ends = (offsets + (row - 1)) // p
+        simple = whole & (pieces == ends)
+        pairs: list[tuple[int, int, int, int]] = []  # (row, first piece, inner, bytes there)
+        others: list[int] = []
         slow_spans: list[list[tuple[int, int, int]]] = []
-        if others:
-            needed = [g0[simple]]
+        if not simple.all():
+            pair = whole & (ends == pieces + 1)
+            rest = ~(simple | pair)
+            pair_rows = np.flatnonzero(pair)
+            pair_g, pair_inner = g0[pair_rows], offsets[pair_rows] % p
+            pairs = list(
+                zip(
+                    pair_rows.tolist(), pair_g.tolist(), pair_inner.tolist(),
+                    (p - pair_inner).tolist(), strict=True,
+                )
+            )  # fmt: skip
+            others = np.flatnonzero(rest).tolist()
+            needed = [g0[simple], pair_g, pair_g + 1]
             for i in others:
                 spans = list(self._file_spans(int(starts_arr[i]), row))
                 slow_spans.append(spans)
@@ -876,7 +891,7 @@ class RemoteDataset(Dataset):
                 row_bufs: Iterator[Any] = zip(out)  # ndarray rows (typeshed: not buffers)
             else:
                 row_bufs = iter(rows)
-            if others:
+            if pairs or others:
                 row_bufs = itertools.compress(row_bufs, simple.tolist())
             try:
                 got = sum(map(os.preadv, fds_simple, row_bufs, inner.tolist()))
@@ -887,11 +902,15 @@ class RemoteDataset(Dataset):
                     f"dataset {self.name!r}: a cached piece read short; something changed "
                     f"the cache directory {self.cache.directory}: restart the server"
                 )
-            if others:
+            if pairs or others:
                 # Where the fast path would have put them: ``rows`` when given (maybe
                 # views of anywhere), else ``out``'s rows.
                 target = _row_target(out, rows, row)
-                fd_of = dict(zip(ids.tolist(), fd_list, strict=True))
+                fd_of = dict(zip(id_list, fd_list, strict=True))
+                for i, g, inner_i, cut in pairs:
+                    buf = target(i)
+                    self._pread_piece(fd_of[g], buf[:cut], inner_i, g)
+                    self._pread_piece(fd_of[g + 1], buf[cut:], 0, g + 1)
                 for i, spans in zip(others, slow_spans, strict=True):
                     buf, done = target(i), 0
                     for k, off, nb in spans:
