@@ -24,9 +24,12 @@ it simulates a training step) of ``--batch-size`` x ``--seq-len`` tokens after
   dataset, and a trainer that computes ``--step-ms`` per batch (a sleep: a trainer that
   does nothing but load is throughput, measured above). Target: p99 <= 2x local.
 
-The default dataset (24 Mi tokens, 50 MB) is sized so that a cache of a third of it holds
-about seven of the block shuffle's blocks: the prefetch wants the block being served and
-the next one within three quarters of the cache, so a cache of fewer than about three
+Pieces are 1 MiB by default, what ``prepare`` writes (so a row of 4 KiB crosses a piece
+boundary as rarely as in production); shards are small (512 KiB), so that a dataset of a
+size moto serves in seconds has many regions. The default dataset (24 Mi tokens, 50 MB)
+is sized so that a cache of a third of it holds about seven of the block shuffle's
+blocks: the prefetch wants the block being served and the next one within three quarters
+of the cache, so a cache of fewer than about three
 blocks cannot have the next block in before it is read (the README says so).
 
 Medians over ``--runs`` (systems alternate within a run, so drift hits all alike).
@@ -379,7 +382,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=24 << 20, help="dataset size in tokens")
     ap.add_argument("--shard-tokens", type=int, default=1 << 18)
-    ap.add_argument("--piece-bytes", type=int, default=128 << 10)
+    ap.add_argument("--piece-bytes", type=int, default=1 << 20, help="1 MiB: what prepare writes")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=50, help="batches before timing")
