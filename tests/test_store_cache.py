@@ -456,6 +456,26 @@ def test_requests_within_rows_per_request_always_fit(
         cache.close()
 
 
+def test_range_bytes_is_the_sum_of_the_pieces_sizes(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    """What the prefetch budget counts: exact bytes of any piece range (short last
+    pieces included), the whole range being the dataset's bytes."""
+    _, objects = published
+    cache = _cache(tmp_path, objects, 1 << 30)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        n = len(ds.pieces)
+        sizes = [ds.pieces[g].size for g in range(n)]
+        assert ds.range_bytes(0, n) == ds.nbytes == sum(sizes)
+        rng = np.random.default_rng(5)
+        for _ in range(200):
+            a, b = sorted(int(x) for x in rng.integers(0, n + 1, size=2))
+            assert ds.range_bytes(a, b) == sum(sizes[a:b]), (a, b)
+    finally:
+        cache.close()
+
+
 def test_a_dataset_that_fits_in_the_cache_takes_requests_of_any_size(
     published: tuple[Dataset, ObjectStore], tmp_path: Path
 ) -> None:

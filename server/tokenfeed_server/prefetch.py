@@ -172,18 +172,20 @@ class Prefetcher:
             return
         self._last, self._last_sent = key, now
         # Disjoint ranges (two jobs on one dataset want it once), most urgent first, within
-        # the budget (counted in whole pieces: a shard's last one is shorter, so at most).
+        # the budget (the pieces' exact sizes: a shard smaller than a piece is one short one).
         chosen: list[_Range] = []
         covered: dict[int, list[tuple[int, int]]] = {}
         total = 0
         for ds, first, end in ranges:
             for lo, top in _subtract(first, end, covered.get(id(ds), [])):
-                room = (self.budget - total) // ds.piece_bytes
-                hi = min(top, lo + room)
+                hi = top
+                if total + ds.range_bytes(lo, hi) > self.budget:
+                    # a part: as many whole pieces as surely fit (counted at full size)
+                    hi = min(top, lo + (self.budget - total) // ds.piece_bytes)
                 if hi <= lo:
                     continue
                 chosen.append((ds, lo, hi))
                 covered.setdefault(id(ds), []).append((lo, hi))
-                total += (hi - lo) * ds.piece_bytes
+                total += ds.range_bytes(lo, hi)
         wanted = _Wanted(chosen)
         self.cache.want(wanted, wanted.digests())

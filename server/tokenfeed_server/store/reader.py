@@ -746,6 +746,19 @@ class RemoteDataset(Dataset):
         last = self._piece_of(stop - 1) + 1
         return first, last
 
+    def range_bytes(self, first: int, end: int) -> int:
+        """Bytes of the pieces ``[first, end)`` as cached (a shard's last piece, or its
+        only one when the shard is smaller than a piece, is shorter than
+        :attr:`piece_bytes`)."""
+        bases, sizes, p = self.pieces.base, self.pieces._sizes, self.piece_bytes
+        total, g = 0, max(0, first)
+        k = bisect.bisect_right(bases, g) - 1
+        while g < end and k < len(sizes):
+            hi = min(end, bases[k + 1])
+            total += min((hi - bases[k]) * p, sizes[k]) - (g - bases[k]) * p
+            g, k = hi, k + 1
+        return total
+
     def _piece_of(self, token: int) -> int:
         k = int(np.searchsorted(self._bounds, token, side="right")) - 1
         offset = HEADER_SIZE + (token - self._bounds_list[k]) * self.dtype.itemsize
