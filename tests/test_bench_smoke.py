@@ -76,9 +76,7 @@ def test_mixture_bench_quick_measures_every_row_and_the_loader_pair() -> None:
         if line.startswith("| locate") or line.startswith("| Plan.windows")
     ]
     assert len(rates) == 6 and all(r > 0 for r in rates), math_out
-    loader_out = _run_bench(
-        "bench_mixture.py", "--loader", "--runs", "1", "--loader-batches", "40", timeout=280
-    )
+    loader_out = _run_bench("bench_mixture.py", "--loader", "--quick", timeout=280)
     assert "mixture / single" in loader_out, loader_out
 
 
