@@ -40,7 +40,7 @@ from tokenfeed_server.store.format import piece_digest
 from tokenfeed_server.store.mixing import Feed, Source
 from tokenfeed_server.store.objects import ObjectStore, ObjectStoreError, S3Location
 from tokenfeed_server.store.publish import publish_dataset
-from tokenfeed_server.store.reader import RemoteDataset, open_remote_dataset, read_blocking
+from tokenfeed_server.store.remote import RemoteDataset, open_remote_dataset, read_blocking
 
 PIECE = 4096
 BUCKET = "cache-tests"

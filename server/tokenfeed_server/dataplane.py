@@ -50,7 +50,7 @@ from tokenfeed_server.scheduler import FairQueue, TokenBucket
 from tokenfeed_server.store import Dataset, Store
 from tokenfeed_server.store.cache import NotResident, Waiter
 from tokenfeed_server.store.mixing import Feed, open_feed
-from tokenfeed_server.store.reader import RemoteDataset
+from tokenfeed_server.store.remote import RemoteDataset
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from typing import Protocol, overload
 
 from tokenfeed.plan import Plan
 from tokenfeed_server.store.cache import PieceCache, PieceRef
-from tokenfeed_server.store.reader import Dataset, RemoteDataset
+from tokenfeed_server.store.reader import Dataset
+from tokenfeed_server.store.remote import RemoteDataset
 
 __all__ = ["PrefetchJob", "Prefetcher", "wanted_ranges"]
 

@@ -2,11 +2,14 @@
 
 One module per job: :mod:`~tokenfeed_server.store.format` (layout and shard header),
 :mod:`~tokenfeed_server.store.manifest` (``manifest.json`` and the fingerprint),
-:mod:`~tokenfeed_server.store.reader` (open a dataset validated, list a store),
-:mod:`~tokenfeed_server.store.writer` (write a dataset atomically),
+:mod:`~tokenfeed_server.store.reader` (open a dataset validated, list a store, read
+rows), :mod:`~tokenfeed_server.store.writer` (write a dataset atomically),
 :mod:`~tokenfeed_server.store.objects` (``s3://`` store URLs and the S3 client),
 :mod:`~tokenfeed_server.store.publish` / :mod:`~tokenfeed_server.store.gc` (a dataset
-into object storage, and the objects no manifest references out of it) and
+into object storage, and the objects no manifest references out of it),
+:mod:`~tokenfeed_server.store.cache` (the bounded, verified piece cache),
+:mod:`~tokenfeed_server.store.remote` (a dataset in object storage, read through it),
+:mod:`~tokenfeed_server.store.mixing` (a job's datasets and mixture) and
 :mod:`~tokenfeed_server.store.serving` (the datasets a running server shares between jobs).
 """
 

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import bisect
 import errno
 import hashlib
 import itertools
 import os
 import re
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -41,23 +39,24 @@ from tokenfeed_server.store.format import (
 from tokenfeed_server.store.manifest import Manifest, ShardInfo
 
 if TYPE_CHECKING:
-    from tokenfeed_server.store.cache import PieceCache, PieceRef, Waiter
-    from tokenfeed_server.store.objects import ObjectStore
+    pass
 
 __all__ = [
     "Dataset",
-    "PieceList",
-    "RemoteDataset",
+    "MixedGather",
+    "is_dataset_name",
     "list_datasets",
-    "list_remote_datasets",
     "open_dataset",
-    "open_remote_dataset",
-    "read_blocking",
     "validate_dataset_name",
 ]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HASH_CHUNK = 1 << 24
+
+
+def is_dataset_name(name: object) -> bool:
+    """Whether ``name`` is a dataset name :func:`validate_dataset_name` accepts."""
+    return isinstance(name, str) and bool(_NAME_RE.fullmatch(name)) and ".." not in name
 
 
 def validate_dataset_name(name: str) -> str:
@@ -66,7 +65,7 @@ def validate_dataset_name(name: str) -> str:
     Allowed: 1-128 characters of ``[A-Za-z0-9._-]``, starting with a letter or digit, and
     no ``..``: a name can never escape the store or hide as a temp/dot directory.
     """
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
+    if not is_dataset_name(name):
         raise InvalidDatasetName(
             f"invalid dataset name {name!r}: use 1-128 characters of letters, digits, "
             "'.', '_' or '-', starting with a letter or digit, and no '..'"
@@ -294,14 +293,26 @@ class Dataset:
         # ``rows`` when given (views of anywhere, e.g. a mixture's scattered rows of one
         # source), else into ``out``'s rows.
         if crossing is None:
-            target = _row_target(out, rows, row)
+            target = self._row_target(out, rows, row)
             self._gather_slowly(map(target, range(n)), starts_arr.tolist())
             return
         if crossing:
-            target = _row_target(out, rows, row)
+            target = self._row_target(out, rows, row)
             for i in crossing:
                 k = int(np.searchsorted(self._bounds, starts_arr[i], side="right")) - 1
                 self._read_into(target(i), int(starts_arr[i]), k)
+
+    @staticmethod
+    def _row_target(
+        out: np.ndarray | None, rows: Sequence[tuple[Any]] | None, row: int
+    ) -> Callable[[int], memoryview]:
+        """Where row ``i`` of a gather goes, as bytes: ``rows[i][0]`` when rows are given
+        (they may be views of anywhere, not of ``out``), else row ``i`` of ``out``."""
+        if rows is not None:
+            return lambda i: memoryview(rows[i][0]).cast("B")
+        assert out is not None
+        buf = out.data.cast("B")
+        return lambda i: buf[i * row : (i + 1) * row]
 
     def _gather_slowly(self, targets: Iterable[memoryview], starts: list[int]) -> None:
         """Read row by row into ``targets``, raising CorruptShard naming the shard of the
@@ -486,30 +497,6 @@ class MixedGather:
                 ds.gather_rows(starts[picked], length, [rows[i] for i in picked.tolist()])
 
 
-def _sorted_unique(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """``np.unique(a)`` of a small int array: a sort and a mask, a fraction of the cost
-    of numpy's general path for the few hundred piece ids of a request."""
-    a = np.sort(a)
-    if a.size < 2:
-        return a
-    keep = np.empty(a.size, dtype=bool)
-    keep[0] = True
-    np.not_equal(a[1:], a[:-1], out=keep[1:])
-    return a[keep]
-
-
-def _row_target(
-    out: np.ndarray | None, rows: Sequence[tuple[Any]] | None, row: int
-) -> Callable[[int], memoryview]:
-    """Where row ``i`` of a gather goes, as bytes: ``rows[i][0]`` when rows are given
-    (they may be views of anywhere, not of ``out``), else row ``i`` of ``out``."""
-    if rows is not None:
-        return lambda i: memoryview(rows[i][0]).cast("B")
-    assert out is not None
-    buf = out.data.cast("B")
-    return lambda i: buf[i * row : (i + 1) * row]
-
-
 def _close_all(fds: list[int]) -> None:
     while fds:
         os.close(fds.pop())
@@ -635,7 +622,7 @@ def list_datasets(store: str | os.PathLike[str]) -> list[str]:
         raise StoreError(f"store {root} is not a directory")
     names = []
     for entry in root.iterdir():
-        if not _NAME_RE.fullmatch(entry.name) or ".." in entry.name:
+        if not is_dataset_name(entry.name):
             continue
         try:
             complete = (entry / MANIFEST_NAME).is_file()
@@ -644,429 +631,3 @@ def list_datasets(store: str | os.PathLike[str]) -> list[str]:
         if complete:
             names.append(entry.name)
     return sorted(names)
-
-
-# ------------------------------------------------------------------------ remote datasets
-
-
-class PieceList(Sequence["PieceRef"]):
-    """The pieces of a remote dataset's shard files in order, as
-    :class:`~tokenfeed_server.store.cache.PieceRef` objects made when asked for."""
-
-    def __init__(self, name: str, manifest: Manifest, objects: ObjectStore) -> None:
-        self._name = name
-        self._manifest = manifest
-        self._objects = objects
-        self._piece = manifest.piece_bytes
-        base = [0]
-        for shard in manifest.shards:
-            base.append(base[-1] + len(shard.pieces))
-        #: base[k] = global id of shard k's first piece; base[-1] = the number of pieces
-        self.base = base
-        self._sizes = [s.file_size(manifest.itemsize) for s in manifest.shards]
-        self._urls: dict[int, str] = {}
-
-    def __len__(self) -> int:
-        return self.base[-1]
-
-    @overload
-    def __getitem__(self, index: int) -> PieceRef: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[PieceRef]: ...
-
-    def __getitem__(self, index: int | slice) -> PieceRef | list[PieceRef]:
-        if isinstance(index, slice):
-            return [self._ref(i) for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"piece {index} of {len(self)}")
-        return self._ref(index)
-
-    def _ref(self, gid: int) -> PieceRef:
-        from tokenfeed_server.store.cache import PieceRef
-
-        k = bisect.bisect_right(self.base, gid) - 1
-        i = gid - self.base[k]
-        shard = self._manifest.shards[k]
-        key = f"{self._name}/{shard.name}"
-        url = self._urls.get(k)
-        if url is None:
-            url = self._urls[k] = self._objects.url(key)
-        start = i * self._piece
-        return PieceRef(shard.pieces[i], key, start, min(start + self._piece, self._sizes[k]), url)
-
-
-class RemoteDataset(Dataset):
-    """A dataset in object storage, read through a :class:`~tokenfeed_server.store.cache.
-    PieceCache`: the same reading API as :class:`Dataset`, so the serving code is the same.
-
-    Every read first checks that the pieces it needs are in the cache; if one is not, it
-    raises :class:`~tokenfeed_server.store.cache.NotResident` before reading anything (the
-    missing pieces are then on their way). Reads take the cache's lock, so no piece is
-    evicted while being read. Every byte read was verified against the manifest's piece
-    digest when it entered the cache.
-    """
-
-    def __init__(
-        self, name: str, manifest: Manifest, objects: ObjectStore, cache: PieceCache
-    ) -> None:
-        super().__init__(name, Path(name), manifest)
-        self.objects = objects
-        self.cache = cache
-        self.url = objects.url(name)
-        self._closed = False
-        self.piece_bytes = manifest.piece_bytes
-        #: Every piece of the dataset, shard by shard, made on demand (a big dataset has
-        #: millions): the global piece ids index it.
-        self.pieces = PieceList(name, manifest, objects)
-        #: The digest of every piece by global id (references to the manifest's strings).
-        self.digests = [d for shard in manifest.shards for d in shard.pieces]
-        self._piece_base = np.asarray(self.pieces.base, dtype=np.int64)
-        self._piece_base_list = self.pieces.base
-        #: Bytes of every shard file (what the whole dataset takes in a cache).
-        self.nbytes = sum(s.file_size(manifest.itemsize) for s in manifest.shards)
-
-    def __repr__(self) -> str:
-        return (
-            f"RemoteDataset({self.url!r}, tokens={self.n_tokens}, "
-            f"shards={len(self.manifest.shards)}, pieces={len(self.pieces)})"
-        )
-
-    # -- which pieces -------------------------------------------------------------------
-
-    def piece_range(self, start: int, stop: int) -> tuple[int, int]:
-        """Global piece ids ``[first, last)`` holding the tokens ``[start, stop)`` (for the
-        prefetch plan; the document index at the end of a shard is not included)."""
-        start, stop = max(0, int(start)), min(self.n_tokens, int(stop))
-        if stop <= start:
-            return 0, 0
-        first = self._piece_of(start)
-        last = self._piece_of(stop - 1) + 1
-        return first, last
-
-    def range_bytes(self, first: int, end: int) -> int:
-        """Bytes of the pieces ``[first, end)`` as cached (a shard's last piece, or its
-        only one when the shard is smaller than a piece, is shorter than
-        :attr:`piece_bytes`)."""
-        bases, sizes, p = self.pieces.base, self.pieces._sizes, self.piece_bytes
-        total, g = 0, max(0, first)
-        k = bisect.bisect_right(bases, g) - 1
-        while g < end and k < len(sizes):
-            hi = min(end, bases[k + 1])
-            total += min((hi - bases[k]) * p, sizes[k]) - (g - bases[k]) * p
-            g, k = hi, k + 1
-        return total
-
-    def _piece_of(self, token: int) -> int:
-        k = int(np.searchsorted(self._bounds, token, side="right")) - 1
-        offset = HEADER_SIZE + (token - self._bounds_list[k]) * self.dtype.itemsize
-        return self._piece_base_list[k] + offset // self.piece_bytes
-
-    def _span_pieces(self, k: int, offset: int, nbytes: int) -> range:
-        """Global piece ids of file bytes ``[offset, offset + nbytes)`` of shard ``k``."""
-        base = self._piece_base_list[k]
-        p = self.piece_bytes
-        return range(base + offset // p, base + (offset + nbytes - 1) // p + 1)
-
-    def _file_spans(self, start: int, nbytes: int) -> Iterator[tuple[int, int, int]]:
-        """(shard, file offset, bytes) of the token bytes from stream offset ``start``."""
-        itemsize = self.dtype.itemsize
-        k = int(np.searchsorted(self._bounds, start, side="right")) - 1
-        pos, left = start, nbytes
-        while left > 0:
-            base, end = self._bounds_list[k], self._bounds_list[k + 1]
-            take = min(left, (end - pos) * itemsize)
-            yield k, HEADER_SIZE + (pos - base) * itemsize, take
-            left -= take
-            pos += take // itemsize
-            k += 1
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"dataset {self.name!r} is closed")
-
-    # -- reads --------------------------------------------------------------------------
-
-    def _read_file(self, buf: memoryview, k: int, offset: int, fds: dict[int, int]) -> None:
-        """Fill ``buf`` from shard ``k``'s file bytes at ``offset``, piece by piece."""
-        p = self.piece_bytes
-        base = self._piece_base_list[k]
-        done, n = 0, len(buf)
-        while done < n:
-            i = (offset + done) // p
-            inner = offset + done - i * p
-            take = min(n - done, p - inner)
-            self._pread_piece(fds[base + i], buf[done : done + take], inner, base + i)
-            done += take
-
-    def _pread_piece(self, fd: int, buf: memoryview, offset: int, gid: int) -> None:
-        try:
-            got = os.preadv(fd, [buf], offset)
-        except OSError as exc:
-            raise self._cache_error(gid, exc.strerror or str(exc)) from None
-        if got != len(buf):
-            raise self._cache_error(gid, f"read {got} of {len(buf)} bytes at {offset}")
-
-    def _cache_error(self, gid: int, what: str) -> StoreError:
-        return StoreError(
-            f"dataset {self.name!r}: the cached piece {self.pieces[gid].digest} of "
-            f"{self.pieces[gid].url} cannot be read ({what}): something changed the cache "
-            f"directory {self.cache.directory}; restart the server"
-        )
-
-    def _acquire(self, gids: Iterable[int]) -> dict[int, int]:
-        """gid -> descriptor of every piece (cache lock held by the caller)."""
-        ids = sorted(set(gids))
-        fds = self.cache.acquire_locked(
-            [self.digests[g] for g in ids], lambda: [self.pieces[g] for g in ids]
-        )
-        return dict(zip(ids, fds, strict=True))
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the stream (NotResident if pieces are missing)."""
-        start, stop = int(start), int(stop)
-        self._check_range(start, stop)
-        self._check_open()
-        out = np.empty(stop - start, dtype=self.dtype)
-        if stop == start:
-            return out
-        buf = out.data.cast("B")
-        spans = list(self._file_spans(start, len(buf)))
-        with self.cache.lock:
-            fds = self._acquire(g for k, off, n in spans for g in self._span_pieces(k, off, n))
-            done = 0
-            for k, off, n in spans:
-                self._read_file(buf[done : done + n], k, off, fds)
-                done += n
-        return out
-
-    def _gather(
-        self,
-        starts_arr: npt.NDArray[np.int64],
-        length: int,
-        out: np.ndarray | None,
-        rows: Sequence[tuple[Any]] | None,
-    ) -> None:
-        """:meth:`Dataset._gather` from the cache (NotResident, nothing read, if pieces
-        are missing): every row into ``rows`` when given, else into ``out``'s rows."""
-        self._check_open()
-        n = len(starts_arr)
-        itemsize = self.dtype.itemsize
-        row = length * itemsize
-        p = self.piece_bytes
-        if len(self._bounds_list) == 2:  # one shard: no look-up of shards needed
-            first = np.zeros(n, dtype=np.int64)
-            offsets = starts_arr * itemsize + HEADER_SIZE
-            whole = True
-        else:
-            first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
-            last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
-            offsets = (starts_arr - self._bounds[first]) * itemsize + HEADER_SIZE
-            whole = first == last
-        pieces = offsets // p
-        g0 = self._piece_base[first] + pieces
-        # Rows in one piece of one shard (nearly all when rows are small next to pieces)
-        # are read in one pread each, in C; rows across one piece boundary of one shard
-        # (the next most common) in two, their pieces found in bulk; the others (across
-        # a shard boundary, or longer than a piece) span by span.
-        ends = (offsets + (row - 1)) // p
-        simple = whole & (pieces == ends)
-        pairs: list[tuple[int, int, int, int]] = []  # (row, first piece, inner, bytes there)
-        others: list[int] = []
-        slow_spans: list[list[tuple[int, int, int]]] = []
-        if not simple.all():
-            pair = whole & (ends == pieces + 1)
-            rest = ~(simple | pair)
-            pair_rows = np.flatnonzero(pair)
-            pair_g, pair_inner = g0[pair_rows], offsets[pair_rows] % p
-            pairs = list(
-                zip(
-                    pair_rows.tolist(), pair_g.tolist(), pair_inner.tolist(),
-                    (p - pair_inner).tolist(), strict=True,
-                )
-            )  # fmt: skip
-            others = np.flatnonzero(rest).tolist()
-            needed = [g0[simple], pair_g, pair_g + 1]
-            for i in others:
-                spans = list(self._file_spans(int(starts_arr[i]), row))
-                slow_spans.append(spans)
-                needed.append(
-                    np.asarray(
-                        [g for k, off, nb in spans for g in self._span_pieces(k, off, nb)],
-                        dtype=np.int64,
-                    )
-                )
-            ids = _sorted_unique(np.concatenate(needed))
-            g0, inner = g0[simple], offsets[simple] % p
-        else:
-            ids = _sorted_unique(g0)
-            inner = offsets % p
-        with self.cache.lock:
-            id_list = ids.tolist()
-            digests = self.digests
-            fd_list = self.cache.acquire_locked(
-                [digests[g] for g in id_list], lambda: [self.pieces[g] for g in id_list]
-            )
-            fd_arr = np.asarray(fd_list, dtype=np.int64)
-            fds_simple = fd_arr[np.searchsorted(ids, g0)].tolist()
-            if rows is None:
-                assert out is not None
-                row_bufs: Iterator[Any] = zip(out)  # ndarray rows (typeshed: not buffers)
-            else:
-                row_bufs = iter(rows)
-            if pairs or others:
-                row_bufs = itertools.compress(row_bufs, simple.tolist())
-            try:
-                got = sum(map(os.preadv, fds_simple, row_bufs, inner.tolist()))
-            except OSError:
-                got = -1
-            if got != len(fds_simple) * row:
-                raise StoreError(
-                    f"dataset {self.name!r}: a cached piece read short; something changed "
-                    f"the cache directory {self.cache.directory}: restart the server"
-                )
-            if pairs or others:
-                # Where the fast path would have put them: ``rows`` when given (maybe
-                # views of anywhere), else ``out``'s rows.
-                target = _row_target(out, rows, row)
-                fd_of = dict(zip(id_list, fd_list, strict=True))
-                for i, g, inner_i, cut in pairs:
-                    buf = target(i)
-                    self._pread_piece(fd_of[g], buf[:cut], inner_i, g)
-                    self._pread_piece(fd_of[g + 1], buf[cut:], 0, g + 1)
-                for i, spans in zip(others, slow_spans, strict=True):
-                    buf, done = target(i), 0
-                    for k, off, nb in spans:
-                        self._read_file(buf[done : done + nb], k, off, fd_of)
-                        done += nb
-
-    def document_starts(self, start: int, stop: int) -> np.ndarray:
-        """As :meth:`Dataset.document_starts`, from the cache (NotResident if missing)."""
-        self._check_open()
-        return super().document_starts(start, stop)
-
-    def _document_index(self, k: int) -> np.ndarray:
-        index = self._index.get(k)
-        if index is None:
-            shard = self.manifest.shards[k]
-            index = np.empty(shard.documents, dtype="<u8")
-            if shard.documents:
-                offset = index_offset(shard.tokens, self.dtype.itemsize)
-                buf = index.data.cast("B")
-                with self.cache.lock:
-                    fds = self._acquire(self._span_pieces(k, offset, len(buf)))
-                    self._read_file(buf, k, offset, fds)
-            self._index[k] = index
-        return index
-
-    def verify_checksums(self) -> None:
-        """Nothing to do: every piece is verified against the manifest as it is fetched."""
-        self._check_open()
-
-    def read_extra_file(self, name: str) -> bytes:
-        """One of the manifest's ``extra_files``, fetched from the bucket (blocking: for
-        the HTTP side, never the data plane's loop)."""
-        if name not in self.manifest.extra_files or not is_plain_file_name(name):
-            raise ValueError(f"{name!r} is not one of dataset {self.name!r}'s files")
-        try:
-            return self.objects.get(f"{self.name}/{name}")
-        except StoreError as exc:  # what a reader of a local file would see: OSError
-            raise OSError(str(exc)) from exc
-
-    def close(self) -> None:
-        """Forget the dataset (the cache keeps its pieces; they are shared by builds)."""
-        self._closed = True
-        self._index.clear()
-
-
-_T = TypeVar("_T")
-
-
-def read_blocking(ds: Dataset, read: Callable[[], _T], timeout: float | None = 60.0) -> _T:
-    """``read()`` (a read of ``ds``), waiting for missing pieces instead of raising
-    NotResident: for tools and tests, never for the data plane's loop."""
-    from tokenfeed_server.store.cache import NotResident
-
-    deadline = None if timeout is None else time.monotonic() + timeout
-    held: tuple[PieceCache, Waiter] | None = None
-    try:
-        while True:
-            try:
-                return read()
-            except NotResident as exc:
-                # The pins of the last wait are kept until the retry has read: released
-                # before, its pieces could be evicted for others again and again.
-                if held is not None:
-                    held[0].release(held[1])
-                held = (exc.cache, exc.waiter)
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not exc.waiter.wait(left):
-                    raise StoreError(
-                        f"dataset {ds.name!r}: pieces did not arrive in {timeout} s"
-                    ) from None
-                if exc.waiter.error is not None:
-                    raise exc.waiter.error from None
-    finally:
-        if held is not None:
-            held[0].release(held[1])
-
-
-def list_remote_datasets(objects: ObjectStore) -> dict[str, tuple[str, int]]:
-    """``{name: (etag, size)}`` of every ``<name>/manifest.json`` in the store (a manifest
-    is uploaded last, so only complete datasets are listed)."""
-    found: dict[str, tuple[str, int]] = {}
-    for info in objects.list():
-        name, sep, rest = info.key.partition("/")
-        if sep and rest == MANIFEST_NAME and _NAME_RE.fullmatch(name) and ".." not in name:
-            found[name] = (info.etag, info.size)
-    return found
-
-
-def open_remote_dataset(objects: ObjectStore, cache: PieceCache, name: str) -> RemoteDataset:
-    """Open dataset ``name`` of a remote store: read and check its manifest (version 2,
-    with per-piece digests), and check that every shard object exists with its size.
-
-    Nothing else is read: pieces come into the cache on demand, verified.
-    """
-    from tokenfeed_server.store.objects import ObjectNotFound
-
-    validate_dataset_name(name)
-    url = objects.url(f"{name}/{MANIFEST_NAME}")
-    try:
-        text = objects.get(f"{name}/{MANIFEST_NAME}")
-    except ObjectNotFound:
-        raise DatasetNotFound(
-            f"no dataset {name!r} in store {objects.url()}; create it with "
-            "tokenfeed-server prepare ... --store " + objects.url()
-        ) from None
-    try:
-        manifest = Manifest.from_json(text)
-    except ManifestError as exc:
-        raise ManifestError(
-            f"{url}: {exc}; re-run tokenfeed-server prepare ... --overwrite"
-        ) from exc
-    if manifest.format_version < 2 or not manifest.piece_bytes:
-        raise ManifestError(
-            f"{url}: format version {manifest.format_version} has no per-piece checksums, "
-            "which serving from object storage needs; re-run tokenfeed-server prepare "
-            "... --overwrite into the bucket with this tokenfeed"
-        )
-    sizes = {info.key: info.size for info in objects.list(f"{name}/")}
-    itemsize = manifest.itemsize
-    for shard in manifest.shards:
-        key = f"{name}/{shard.name}"
-        expected = shard.file_size(itemsize)
-        size = sizes.get(key)
-        if size is None:
-            raise CorruptShard(
-                f"{objects.url(key)}: shard object is missing (deleted by gc or by hand?); "
-                "re-run tokenfeed-server prepare ... --overwrite"
-            )
-        if size != expected:
-            raise CorruptShard(
-                f"{objects.url(key)}: object has {size} bytes, the manifest says {expected}; "
-                "re-run tokenfeed-server prepare ... --overwrite"
-            )
-    return RemoteDataset(name, manifest, objects, cache)

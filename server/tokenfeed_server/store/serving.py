@@ -14,7 +14,7 @@ found.
 
 A store in object storage (``s3://BUCKET/PREFIX``) works the same way: the watcher lists
 ``PREFIX/*/manifest.json`` every ``scan_interval_s`` (a replaced manifest has a new ETag)
-and opens :class:`~tokenfeed_server.store.reader.RemoteDataset` objects, which read
+and opens :class:`~tokenfeed_server.store.remote.RemoteDataset` objects, which read
 verified pieces through the server's :class:`~tokenfeed_server.store.cache.PieceCache`.
 """
 
@@ -41,11 +41,10 @@ from tokenfeed_server.store.objects import ObjectStoreError, S3Location
 from tokenfeed_server.store.reader import (
     Dataset,
     list_datasets,
-    list_remote_datasets,
     open_dataset,
-    open_remote_dataset,
     validate_dataset_name,
 )
+from tokenfeed_server.store.remote import list_remote_datasets, open_remote_dataset
 
 if TYPE_CHECKING:
     from tokenfeed_server.store.cache import PieceCache
