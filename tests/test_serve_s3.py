@@ -47,8 +47,8 @@ def stores(
     s3_server_module: S3Server,  # noqa: F811
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Path, S3Server, int]]:
-    """The local store (datasets ``d`` and ``bad``), both published to the bucket; and
-    the bytes of ``d``'s shard files."""
+    """The local store (datasets ``d``, ``d2`` and ``bad``), all published to the bucket;
+    and the bytes of ``d``'s shard files."""
     s3 = s3_server_module
     s3.make_bucket(BUCKET)
     local = tmp_path_factory.mktemp("local")
@@ -57,7 +57,7 @@ def stores(
             mp.setenv(key, value)
         objects = ObjectStore(S3Location(BUCKET, "store"))
         sizes = {}
-        for name, seed in (("d", 1), ("bad", 2)):
+        for name, seed in (("d", 1), ("bad", 2), ("d2", 3)):
             manifest = write_dataset(
                 local,
                 name,
@@ -195,6 +195,37 @@ def test_s3_gives_the_local_batches_within_the_cache_bound(
     assert "tokenfeed_cache_fetch_seconds_bucket" in metrics
     if shuffle == "block":
         assert stats["prefetches"] > 0  # the next block was fetched ahead
+
+
+def test_a_mixture_of_remote_sources_each_fitting_the_cache_but_not_together(
+    stores: tuple[Path, S3Server, int], tmp_path: Path
+) -> None:
+    """A request of a mixture reads from every source: its size is bounded by what all
+    remote sources take together, so big chunks of two sources that each fit in the
+    cache (but not both) are served, and exactly, not parked forever."""
+    local, s3, d_size = stores
+    capacity = d_size * 3 // 2
+    cache = tmp_path / "cache"
+    with _s3_server(s3, cache, capacity, "--chunk-bytes", str(1 << 20)) as srv:
+        loader = TokenFeedDataset(
+            srv.zmq, {"d": 1, "d2": 1}, seq_len=64, batch_size=4, rank=0, world_size=1,
+            samples=2000, request_timeout=5.0, deadline=60.0,
+        )  # fmt: skip
+        batches = list(loader)
+        assert srv.get("/v1/status").json()["cache"]["reserved_bytes"] <= capacity
+    assert len(batches) == 500
+    opened = {name: open_dataset(local, name) for name in ("d", "d2")}
+    try:
+        for batch in batches[::25]:
+            for row, w, src in zip(
+                batch["input_ids"].numpy(), batch["window_ids"].numpy(),
+                batch["source"].numpy(), strict=True,
+            ):  # fmt: skip
+                ds = opened[("d", "d2")[int(src)]]
+                np.testing.assert_array_equal(row, ds.read(int(w) * 64, int(w) * 64 + 64))
+    finally:
+        for ds in opened.values():
+            ds.close()
 
 
 def test_an_unreadable_object_fails_its_jobs_only_naming_the_object(

@@ -10,6 +10,7 @@ prefetch plan does not want first.
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -26,7 +27,7 @@ from shard_data import BYTE
 from tokenfeed.errors import StoreError
 from tokenfeed.plan import Plan
 from tokenfeed_server.config import parse_size
-from tokenfeed_server.prefetch import Prefetcher, wanted_ranges
+from tokenfeed_server.prefetch import Prefetcher, _most_that_fit, wanted_ranges
 from tokenfeed_server.store import Dataset, open_dataset, write_dataset
 from tokenfeed_server.store.cache import (
     UNLIMITED_ROWS,
@@ -474,6 +475,48 @@ def test_range_bytes_is_the_sum_of_the_pieces_sizes(
             assert ds.range_bytes(a, b) == sum(sizes[a:b]), (a, b)
     finally:
         cache.close()
+
+
+def test_the_prefetch_takes_the_most_pieces_that_fit_in_its_room(
+    published: tuple[Dataset, ObjectStore], tmp_path: Path
+) -> None:
+    _, objects = published
+    cache = _cache(tmp_path, objects, 1 << 30)
+    try:
+        ds = open_remote_dataset(objects, cache, "d")
+        n = len(ds.pieces)
+        rng = np.random.default_rng(6)
+        for _ in range(200):
+            first, top = sorted(int(x) for x in rng.integers(0, n + 1, size=2))
+            room = int(rng.integers(0, ds.range_bytes(first, top) + PIECE + 1))
+            want = max(h for h in range(first, top + 1) if ds.range_bytes(first, h) <= room)
+            assert _most_that_fit(ds, first, top, room) == want
+    finally:
+        cache.close()
+
+
+def test_identical_pieces_read_together_leave_no_descriptor_open(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    """Pieces are content-addressed, so a run of equal tokens makes equal pieces: one
+    request reading two of them opens the cache file once, and closing the cache closes
+    every descriptor it opened."""
+    store = tmp_path / "local"
+    flat = [np.full(20 * PIECE, 7, dtype=np.int64)]  # one document: equal middle pieces
+    write_dataset(store, "flat", flat, tokenizer=BYTE, shuffle_seed=0, piece_bytes=PIECE)
+    objects = ObjectStore(S3Location(BUCKET, "flat-store"))
+    publish_dataset(store / "flat", objects, "flat")
+    before = len(os.listdir("/proc/self/fd"))
+    cache = _cache(tmp_path, objects, 1 << 24)
+    try:
+        ds = open_remote_dataset(objects, cache, "flat")
+        assert len(set(ds.digests)) < len(ds.digests)  # some pieces are the same object
+        starts = np.array([3 * PIECE, 9 * PIECE, 15 * PIECE])  # rows in equal pieces
+        got = read_blocking(ds, lambda: ds.gather(starts, 100).copy())
+        assert (got == 7).all()
+    finally:
+        cache.close()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_dataset_that_fits_in_the_cache_takes_requests_of_any_size(

@@ -442,13 +442,14 @@ class DataPlane:
         chunk = min(self.config.chunk_bytes, limits.max_chunk_bytes)
         max_count = min(chunk // batch_bytes, _MAX_ROWS_PER_CHUNK // msg.batch_size)
         row_bytes = (msg.seq_len + 1) * feed.first.dataset.dtype.itemsize
-        for source in feed.sources:
-            ds = source.dataset
-            if isinstance(ds, RemoteDataset):
-                # A request's pieces must fit in the cache at once (else CacheTooSmall);
-                # clients split requests by max_count, so the batches do not change.
-                rows = ds.cache.rows_per_request(ds.piece_bytes, row_bytes, ds.nbytes)
-                max_count = min(max_count, rows // msg.batch_size)
+        remote = [s.dataset for s in feed.sources if isinstance(s.dataset, RemoteDataset)]
+        # every remote source of a mixture together: one request reads from all of them
+        remote_bytes = sum(ds.nbytes for ds in remote)
+        for ds in remote:
+            # A request's pieces must fit in the cache at once (else CacheTooSmall);
+            # clients split requests by max_count, so the batches do not change.
+            rows = ds.cache.rows_per_request(ds.piece_bytes, row_bytes, remote_bytes)
+            max_count = min(max_count, rows // msg.batch_size)
         self._make_room_for_a_job()
         weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
         job = Job(jid, spec, feed, tenant, weight=weight, max_count=max(1, max_count))

@@ -124,6 +124,19 @@ class _Wanted(Sequence[PieceRef]):
         return out
 
 
+def _most_that_fit(ds: RemoteDataset, first: int, top: int, room: int) -> int:
+    """The largest ``hi`` in ``[first, top]`` whose pieces ``[first, hi)`` take at most
+    ``room`` bytes (a binary search: the bytes grow with ``hi``)."""
+    lo, hi = first, top
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ds.range_bytes(first, mid) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def _subtract(first: int, end: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``[first, end)`` less the ``covered`` ranges."""
     parts = [(first, end)]
@@ -181,8 +194,7 @@ class Prefetcher:
             for lo, top in _subtract(first, end, covered.get(id(ds), [])):
                 hi = top
                 if total + ds.range_bytes(lo, hi) > self.budget:
-                    # a part: as many whole pieces as surely fit (counted at full size)
-                    hi = min(top, lo + (self.budget - total) // ds.piece_bytes)
+                    hi = _most_that_fit(ds, lo, top, self.budget - total)
                 if hi <= lo:
                     continue
                 chosen.append((ds, lo, hi))

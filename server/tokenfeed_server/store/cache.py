@@ -397,7 +397,11 @@ class PieceCache:
         if None in fds:
             for i, digest in enumerate(digests):
                 if fds[i] is None:
-                    fds[i] = opened[digest] = self._open_file(digest)
+                    # looked up again: one digest may come twice (identical pieces)
+                    fd = opened.get(digest)
+                    if fd is None:
+                        fd = opened[digest] = self._open_file(digest)
+                    fds[i] = fd
         _drain(map(opened.move_to_end, digests))
         # Descriptors of pieces read least recently go first (never one just returned:
         # they were moved to the end).

@@ -219,9 +219,12 @@ class MixedOrder:
         self.sources = tuple(sources)
         self.mixture = mixture
         #: everything :meth:`windows` depends on (a source's seq_len sets its starts)
+        # the mixture's names and segments, not the object: a cached block must not keep a
+        # finished job's period tables alive
         self.order_key = (
             "mixture",
-            mixture,
+            mixture.names,
+            tuple(map(tuple, mixture.to_wire())),
             tuple((src.plan.order_key, src.plan.seq_len) for src in self.sources),
         )
 

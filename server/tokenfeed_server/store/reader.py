@@ -472,7 +472,9 @@ class MixedGather:
         """Fill ``out`` (``[len(starts), length]``, C-contiguous, the datasets' dtype;
         ``rows`` its rows as for :meth:`Dataset.gather`). Errors as :meth:`Dataset.gather`,
         naming the dataset."""
-        if len(starts) == 0 or length <= 0:
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        if len(starts) == 0 or length == 0:
             return
         if rows is None:
             rows = list(zip(out))
