@@ -218,9 +218,9 @@ class MixedOrder:
     def __init__(self, sources: Sequence[Source], mixture: Mixture) -> None:
         self.sources = tuple(sources)
         self.mixture = mixture
-        #: everything :meth:`windows` depends on (a source's seq_len sets its starts)
-        # the mixture's names and segments, not the object: a cached block must not keep a
-        # finished job's period tables alive
+        #: everything :meth:`windows` depends on (a source's seq_len sets its starts);
+        #: the mixture's names and segments rather than the object, so that a cached
+        #: block does not keep a finished job's period tables alive
         self.order_key = (
             "mixture",
             mixture.names,
