@@ -26,7 +26,6 @@ import argparse
 import statistics
 import tempfile
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from bench_plan import measure  # the warm-up call also builds the period tables
 from tokenfeed import mixture as mixture_module
 from tokenfeed.mixture import Mixture, source_seed
 from tokenfeed.plan import Plan
@@ -42,21 +42,6 @@ SEED = 1234
 #: Source sizes in tokens for the locate + windows rows (a big web set, smaller others).
 SOURCE_TOKENS = {"web": 10**12, "code": 10**10, "math": 10**8}
 SEQ_LEN = 2048
-
-
-def measure(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
-    """Median seconds of ``fn`` over ``repeats`` runs, and its tracemalloc peak (bytes)."""
-    fn()  # warm-up (also builds the period tables)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    tracemalloc.start()
-    fn()
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return statistics.median(times), peak
 
 
 def table_build_seconds(mix: Mixture) -> float:

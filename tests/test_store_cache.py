@@ -10,6 +10,7 @@ prefetch plan does not want first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -80,6 +81,19 @@ def _cache(tmp_path: Path, objects: ObjectStore, capacity: int, **kw: object) ->
     return PieceCache(tmp_path / "cache", capacity, objects, backoff_s=0.01, **kw)  # type: ignore[arg-type]
 
 
+@contextlib.contextmanager
+def _remote(
+    tmp_path: Path, objects: ObjectStore, capacity: int, name: str = "d", **kw: object
+) -> Iterator[RemoteDataset]:
+    """Dataset ``name`` of ``objects`` read through a fresh cache of ``capacity`` bytes
+    (``ds.cache``), closed afterwards."""
+    cache = _cache(tmp_path, objects, capacity, **kw)
+    try:
+        yield open_remote_dataset(objects, cache, name)
+    finally:
+        cache.close()
+
+
 class _Watch:
     """Samples the cache directory's bytes on disk while a test works."""
 
@@ -110,9 +124,8 @@ def test_random_reads_equal_local_and_the_bound_holds(
     local, objects = published
     remote_bytes = sum(s.file_size(local.dtype.itemsize) for s in local.manifest.shards)
     capacity = remote_bytes // 3
-    cache = _cache(tmp_path, objects, capacity)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, capacity) as ds:
+        cache = ds.cache
         assert isinstance(ds, RemoteDataset) and ds.nbytes == remote_bytes
         assert len(ds.manifest.shards) >= 3
         assert ds.fingerprint == local.fingerprint
@@ -149,8 +162,6 @@ def test_random_reads_equal_local_and_the_bound_holds(
         assert stats["misses"] > 0 and stats["hits"] > 0
         assert stats["bytes_fetched"] >= capacity
         assert stats["fetch_latency_p50_s"] is not None
-    finally:
-        cache.close()
 
 
 def test_concurrent_requests_in_a_tight_cache_all_complete(
@@ -192,9 +203,8 @@ def test_a_request_larger_than_the_cache_is_refused_clearly(
     published: tuple[Dataset, ObjectStore], tmp_path: Path
 ) -> None:
     _, objects = published
-    cache = _cache(tmp_path, objects, 2 * PIECE)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, 2 * PIECE) as ds:
+        cache = ds.cache
         starts = np.arange(0, 10 * PIECE, PIECE // 2)  # about ten pieces at once
         with pytest.raises(NotResident) as info:
             ds.gather(starts, 16)
@@ -203,8 +213,6 @@ def test_a_request_larger_than_the_cache_is_refused_clearly(
         assert isinstance(waiter.error, CacheTooSmall)
         assert "--cache-size" in str(waiter.error)
         cache.release(waiter)
-    finally:
-        cache.close()
 
 
 class _CorruptOnce:
@@ -311,9 +319,8 @@ def test_eviction_takes_unwanted_pieces_first(
     published: tuple[Dataset, ObjectStore], tmp_path: Path
 ) -> None:
     _, objects = published
-    cache = _cache(tmp_path, objects, 4 * PIECE)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, 4 * PIECE) as ds:
+        cache = ds.cache
         p = [r for r in ds.pieces if r.size == PIECE][:8]
         a, b, c, d, e, f, g, h = p
         cache.want([a, b])
@@ -338,8 +345,6 @@ def test_eviction_takes_unwanted_pieces_first(
         cache.fetch_all_blocking([c], timeout=30)
         assert here() == {b, g, h, c}
         assert cache.stats()["prefetches"] == 2
-    finally:
-        cache.close()
 
 
 def test_one_cache_directory_per_server(
@@ -396,9 +401,8 @@ def test_prefetch_fetches_the_next_blocks_within_its_share(
 ) -> None:
     local, objects = published
     capacity = 60 * PIECE
-    cache = _cache(tmp_path, objects, capacity)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, capacity) as ds:
+        cache = ds.cache
         plan = Plan(
             n_tokens=ds.n_tokens, seq_len=64, batch_size=4, shuffle="block",
             region_windows=100, block_regions=2,
@@ -431,8 +435,6 @@ def test_prefetch_fetches_the_next_blocks_within_its_share(
         assert wanted_ranges(ds, glob, 0, capacity) == []
         assert wanted_ranges(ds, glob, 0, ds.nbytes) == [(ds, 0, len(ds.pieces))]
         assert wanted_ranges(local, plan, 0, capacity) == []  # a local dataset: nothing
-    finally:
-        cache.close()
 
 
 def test_requests_within_rows_per_request_always_fit(
@@ -441,9 +443,8 @@ def test_requests_within_rows_per_request_always_fit(
     """The rows bound a job's max_count should respect: any such request (rows anywhere,
     across pieces and shards) is admitted, never CacheTooSmall."""
     local, objects = published
-    cache = _cache(tmp_path, objects, 24 * PIECE)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, 24 * PIECE) as ds:
+        cache = ds.cache
         rng = np.random.default_rng(3)
         for length in (1, 65, 2049, 3 * PIECE):
             rows = cache.rows_per_request(PIECE, length * 2)
@@ -453,8 +454,6 @@ def test_requests_within_rows_per_request_always_fit(
                 got = read_blocking(ds, lambda s=starts, n=length: ds.gather(s, n).copy())
                 np.testing.assert_array_equal(got, local.gather(starts, length))
         assert cache.stats()["reserved_bytes"] <= 24 * PIECE
-    finally:
-        cache.close()
 
 
 def test_range_bytes_is_the_sum_of_the_pieces_sizes(
@@ -463,9 +462,7 @@ def test_range_bytes_is_the_sum_of_the_pieces_sizes(
     """What the prefetch budget counts: exact bytes of any piece range (short last
     pieces included), the whole range being the dataset's bytes."""
     _, objects = published
-    cache = _cache(tmp_path, objects, 1 << 30)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, 1 << 30) as ds:
         n = len(ds.pieces)
         sizes = [ds.pieces[g].size for g in range(n)]
         assert ds.range_bytes(0, n) == ds.nbytes == sum(sizes)
@@ -473,17 +470,13 @@ def test_range_bytes_is_the_sum_of_the_pieces_sizes(
         for _ in range(200):
             a, b = sorted(int(x) for x in rng.integers(0, n + 1, size=2))
             assert ds.range_bytes(a, b) == sum(sizes[a:b]), (a, b)
-    finally:
-        cache.close()
 
 
 def test_the_prefetch_takes_the_most_pieces_that_fit_in_its_room(
     published: tuple[Dataset, ObjectStore], tmp_path: Path
 ) -> None:
     _, objects = published
-    cache = _cache(tmp_path, objects, 1 << 30)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, 1 << 30) as ds:
         n = len(ds.pieces)
         rng = np.random.default_rng(6)
         for _ in range(200):
@@ -491,8 +484,6 @@ def test_the_prefetch_takes_the_most_pieces_that_fit_in_its_room(
             room = int(rng.integers(0, ds.range_bytes(first, top) + PIECE + 1))
             want = max(h for h in range(first, top + 1) if ds.range_bytes(first, h) <= room)
             assert _most_that_fit(ds, first, top, room) == want
-    finally:
-        cache.close()
 
 
 def test_identical_pieces_read_together_leave_no_descriptor_open(
@@ -507,15 +498,11 @@ def test_identical_pieces_read_together_leave_no_descriptor_open(
     objects = ObjectStore(S3Location(BUCKET, "flat-store"))
     publish_dataset(store / "flat", objects, "flat")
     before = len(os.listdir("/proc/self/fd"))
-    cache = _cache(tmp_path, objects, 1 << 24)
-    try:
-        ds = open_remote_dataset(objects, cache, "flat")
+    with _remote(tmp_path, objects, 1 << 24, "flat") as ds:
         assert len(set(ds.digests)) < len(ds.digests)  # some pieces are the same object
         starts = np.array([3 * PIECE, 9 * PIECE, 15 * PIECE])  # rows in equal pieces
         got = read_blocking(ds, lambda: ds.gather(starts, 100).copy())
         assert (got == 7).all()
-    finally:
-        cache.close()
     assert len(os.listdir("/proc/self/fd")) == before
 
 
@@ -527,9 +514,8 @@ def test_a_dataset_that_fits_in_the_cache_takes_requests_of_any_size(
     anywhere, every shard) is admitted and exact."""
     local, objects = published
     nbytes = sum(s.file_size(local.dtype.itemsize) for s in local.manifest.shards)
-    cache = _cache(tmp_path, objects, nbytes)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path, objects, nbytes) as ds:
+        cache = ds.cache
         assert cache.rows_per_request(PIECE, 4098, ds.nbytes) == UNLIMITED_ROWS
         assert ds.nbytes == nbytes
         assert cache.rows_per_request(PIECE, 4098, nbytes + 1) < UNLIMITED_ROWS  # too big
@@ -538,8 +524,6 @@ def test_a_dataset_that_fits_in_the_cache_takes_requests_of_any_size(
         got = read_blocking(ds, lambda: ds.gather(starts, 2049).copy())
         np.testing.assert_array_equal(got, local.gather(starts, 2049))
         assert cache.stats()["reserved_bytes"] <= nbytes
-    finally:
-        cache.close()
 
 
 class _FailOnce:
@@ -571,9 +555,8 @@ def test_transient_errors_are_retried_and_a_missing_object_is_reported(
     finally:
         cache.close()
     # An object deleted from under a published manifest (gc by hand): reported, naming it.
-    cache = _cache(tmp_path / "again", objects, 40 * PIECE)
-    try:
-        ds = open_remote_dataset(objects, cache, "d")
+    with _remote(tmp_path / "again", objects, 40 * PIECE) as ds:
+        cache = ds.cache
         key = f"d/{ds.manifest.shards[-1].name}"
         data = objects.get(key)
         objects.delete([key])
@@ -585,8 +568,6 @@ def test_transient_errors_are_retried_and_a_missing_object_is_reported(
             assert cache.stats()["fetch_errors"] == 1  # not retried: it stays missing
         finally:
             objects.put_bytes(key, data)
-    finally:
-        cache.close()
 
 
 class _LocalFiles:
