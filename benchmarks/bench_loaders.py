@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,21 @@ def zipf_table(a: float = 1.1, size: int = 1 << 16) -> np.ndarray:
     return np.searchsorted(cdf, quantiles).astype(np.uint16)
 
 
+def zipf_documents(
+    n_tokens: int, rng: np.random.Generator, table: np.ndarray, *, block: int
+) -> Iterator[np.ndarray]:
+    """Documents of 64-4096 Zipf-distributed tokens (ids drawn through ``table``), about
+    ``n_tokens`` in all counting one EOS each, drawn ``block`` tokens at a time."""
+    left = n_tokens
+    while left > 0:
+        ids = table[rng.integers(0, 1 << 16, size=min(left, block), dtype=np.uint16)]
+        lengths = rng.integers(64, 4096, size=len(ids) // 64 + 1)
+        cuts = np.cumsum(lengths)
+        cuts = cuts[cuts < len(ids)]
+        yield from np.split(ids, cuts)
+        left -= len(ids) + len(cuts) + 1  # documents each get an EOS
+
+
 def make_store(root: Path, n_tokens: int, seed: int = 0) -> Path:
     """A cached one-shard store of about ``n_tokens`` tokens named ``bench``."""
     store = root / f"zipf-{n_tokens}-s{seed}"
@@ -68,20 +84,10 @@ def make_store(root: Path, n_tokens: int, seed: int = 0) -> Path:
     table = zipf_table()
     t0 = time.perf_counter()
 
-    def documents() -> Any:
-        left = n_tokens
-        while left > 0:
-            block = table[rng.integers(0, 1 << 16, size=min(left, 1 << 24), dtype=np.uint16)]
-            lengths = rng.integers(64, 4096, size=len(block) // 64 + 1)
-            cuts = np.cumsum(lengths)
-            cuts = cuts[cuts < len(block)]
-            yield from np.split(block, cuts)
-            left -= len(block) + len(cuts) + 1  # documents each get an EOS
-
     write_dataset(
         store,
         "bench",
-        documents(),
+        zipf_documents(n_tokens, rng, table, block=1 << 24),
         tokenizer=TokenizerInfo(kind="synthetic", vocab_size=VOCAB, eos_id=EOS),
         shuffle_seed=seed,
         shard_tokens=n_tokens + (1 << 20),

@@ -50,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,26 +69,16 @@ BUCKET, PREFIX, NAME = "bench", "stores/s3", "bench"
 
 def make_local(root: Path, n_tokens: int, shard_tokens: int, piece_bytes: int) -> Path:
     """A seeded synthetic dataset ``bench`` of about ``n_tokens`` tokens in ``root``."""
-    from bench_loaders import zipf_table
+    from bench_loaders import zipf_documents, zipf_table
     from tokenfeed_server.store import TokenizerInfo, write_dataset
 
     rng = np.random.default_rng(0)
     table = zipf_table()
 
-    def documents() -> Iterator[np.ndarray]:
-        left = n_tokens
-        while left > 0:
-            block = table[rng.integers(0, 1 << 16, size=min(left, 1 << 22), dtype=np.uint16)]
-            lengths = rng.integers(64, 4096, size=len(block) // 64 + 1)
-            cuts = np.cumsum(lengths)
-            cuts = cuts[cuts < len(block)]
-            yield from np.split(block, cuts)
-            left -= len(block) + len(cuts) + 1
-
     write_dataset(
         root,
         NAME,
-        documents(),
+        zipf_documents(n_tokens, rng, table, block=1 << 22),
         tokenizer=TokenizerInfo(kind="synthetic", vocab_size=VOCAB, eos_id=EOS),
         shuffle_seed=0,
         shard_tokens=shard_tokens,
