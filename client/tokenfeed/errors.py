@@ -23,7 +23,11 @@ mapped onto this tree at the boundary where they happen, never leaked raw::
     │   ├── AuthenticationFailed wrong or missing token
     │   ├── DatasetForbidden     the token's tenant may not read that dataset
     │   ├── ConnectionLimit      the tenant or server has no free connection slot
-    │   └── DatasetChanged       the dataset behind a running job was replaced
+    │   ├── DatasetChanged       the dataset behind a running job was replaced
+    │   ├── StorageUnavailable   object storage does not answer (retryable: the server
+    │   │                        keeps trying; the trainer waits)
+    │   ├── ObjectMissing        an object the dataset needs is gone from the bucket
+    │   └── ObjectDamaged        an object fails its checksum again after a refetch
     └── ServerUnavailable        no answer from the endpoint before the deadline
 
 ``ServerError.from_code`` maps a wire error code to the matching subclass, so the
@@ -150,6 +154,24 @@ class DatasetChanged(ServerError):
     """The dataset was replaced while a job was reading it; resuming would mix two datasets."""
 
     code = "dataset_changed"
+
+
+class StorageUnavailable(ServerError):
+    """The dataset's object storage does not answer; the server retries within its budget."""
+
+    code = "storage_unavailable"
+
+
+class ObjectMissing(ServerError):
+    """An object the dataset's manifest names is missing from object storage."""
+
+    code = "object_missing"
+
+
+class ObjectDamaged(ServerError):
+    """An object in object storage fails its checksum, also after a fresh fetch."""
+
+    code = "object_damaged"
 
 
 class ServerUnavailable(TokenFeedError):

@@ -227,6 +227,9 @@ ERROR_CODES = frozenset(
         "connection_limit",
         "overloaded",  # try again later
         "internal",  # a bug or an unreadable file on the server: see its log
+        "storage_unavailable",  # object storage does not answer: the server retries
+        "object_missing",  # an object of the dataset is gone from the bucket
+        "object_damaged",  # an object fails its checksum after a refetch
     }
 )
 
