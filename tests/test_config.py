@@ -17,7 +17,7 @@ import pytest
 
 from tokenfeed_server import config
 from tokenfeed_server.cli import build_parser
-from tokenfeed_server.config import Limits, PrepareSettings, ServerConfig
+from tokenfeed_server.config import CacheSettings, Limits, PrepareSettings, ServerConfig
 
 CLI = [sys.executable, "-m", "tokenfeed_server.cli"]
 
@@ -214,6 +214,7 @@ def test_every_setting_has_one_flag_and_one_twin() -> None:
         "--admin-token", "--insecure", "--curve-secret-key", "--max-tokens-per-s",
         "--cache-dir", "--cache-size", "--remote-scan-interval-s",
         *(f"--{name.replace('_', '-')}" for name in Limits.model_fields),
+        *(f"--{name.replace('_', '-')}" for name in CacheSettings.model_fields),
     }  # fmt: skip
     assert {s.env for s in serve} >= {"TOKENFEED_TENANTS_FILE", "TOKENFEED_CURVE_SECRET_KEY_FILE"}
     for model in (ServerConfig, PrepareSettings):

@@ -609,7 +609,7 @@ def test_a_mixture_read_of_a_damaged_source_names_it(
 
     from tokenfeed.errors import CorruptShard, StoreError
     from tokenfeed_server.store.format import HEADER_SIZE
-    from tokenfeed_server.store.reader import MixedGather
+    from tokenfeed_server.store.mixed_gather import MixedGather
 
     root = tmp_path / "store"
     for k, name in enumerate(NAMES):

@@ -28,7 +28,6 @@ from shard_data import BYTE
 from tokenfeed.errors import StoreError
 from tokenfeed.plan import Plan
 from tokenfeed_server.config import parse_size
-from tokenfeed_server.prefetch import Prefetcher, _most_that_fit, wanted_ranges
 from tokenfeed_server.store import Dataset, open_dataset, write_dataset
 from tokenfeed_server.store.cache import (
     UNLIMITED_ROWS,
@@ -41,6 +40,7 @@ from tokenfeed_server.store.cache import (
 from tokenfeed_server.store.format import piece_digest
 from tokenfeed_server.store.mixing import Feed, Source
 from tokenfeed_server.store.objects import ObjectStore, ObjectStoreError, S3Location
+from tokenfeed_server.store.prefetch import Prefetcher, most_that_fit, wanted_ranges
 from tokenfeed_server.store.publish import publish_dataset
 from tokenfeed_server.store.remote import RemoteDataset, open_remote_dataset, read_blocking
 
@@ -483,7 +483,7 @@ def test_the_prefetch_takes_the_most_pieces_that_fit_in_its_room(
             first, top = sorted(int(x) for x in rng.integers(0, n + 1, size=2))
             room = int(rng.integers(0, ds.range_bytes(first, top) + PIECE + 1))
             want = max(h for h in range(first, top + 1) if ds.range_bytes(first, h) <= room)
-            assert _most_that_fit(ds, first, top, room) == want
+            assert most_that_fit(ds, first, top, room) == want
 
 
 def test_identical_pieces_read_together_leave_no_descriptor_open(

@@ -269,7 +269,7 @@ def test_open_sees_one_build_when_overwritten_between_manifest_and_shards(
 ) -> None:
     """A directory swap (what ``prepare --overwrite`` does) landing after the manifest was
     read but before the shards are opened must not pair the old manifest with new shards."""
-    from tokenfeed_server.store.reader import Dataset
+    from tokenfeed_server.store.local import LocalDataset as Dataset
 
     docs = random_docs(80)
     write_dataset(store, "d", docs, tokenizer=BYTE, shuffle_seed=1, shard_tokens=100)

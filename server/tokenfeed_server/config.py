@@ -35,6 +35,7 @@ __all__ = [
     "parse_size",
     "DEFAULT_HTTP_PORT",
     "DEFAULT_ZMQ_PORT",
+    "CacheSettings",
     "Limits",
     "GcSettings",
     "PrepareSettings",
@@ -138,6 +139,69 @@ class Limits(BaseModel):
         return {name: int(value) for name, value in self.model_dump().items()}
 
 
+class CacheSettings(BaseModel):
+    """How the piece cache of an ``s3://`` store fetches, retries and prefetches."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cache_fetchers: int = Field(
+        default=16, ge=1, description="threads fetching pieces from object storage"
+    )
+    cache_fetch_attempts: int = Field(
+        default=3, ge=1, description="GETs of a piece in all before it is reported unreadable"
+    )
+    cache_mismatch_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="fetches of a piece failing its checksum before the bucket copy is "
+        "reported bad",
+    )
+    cache_backoff_s: float = Field(
+        default=0.1, ge=0, description="seconds before the first retry of a fetch (doubled at each)"
+    )
+    cache_failure_ttl_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="seconds an unreadable piece is reported at once instead of fetched again",
+    )
+    cache_max_open: int = Field(default=1024, ge=16, description="piece files kept open at most")
+    prefetch_blocks: int = Field(
+        default=2, ge=1, description="blocks of each active job's plan fetched ahead"
+    )
+    prefetch_share: float = Field(
+        default=0.75, gt=0, le=1, description="largest share of the cache the prefetch may want"
+    )
+    prefetch_idle_s: float = Field(
+        default=120.0, gt=0, description="no prefetch for a job that asked nothing this long"
+    )
+    prefetch_refresh_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="seconds between two hand-overs of an unchanged prefetch plan (refetches "
+        "what was evicted)",
+    )
+
+    def cache_options(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~tokenfeed_server.store.cache.PieceCache`."""
+        return {
+            "fetchers": self.cache_fetchers,
+            "attempts": self.cache_fetch_attempts,
+            "mismatch_attempts": self.cache_mismatch_attempts,
+            "backoff_s": self.cache_backoff_s,
+            "failure_ttl_s": self.cache_failure_ttl_s,
+            "max_open": self.cache_max_open,
+        }
+
+    def prefetch_options(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~tokenfeed_server.store.prefetch.Prefetcher`."""
+        return {
+            "blocks": self.prefetch_blocks,
+            "share": self.prefetch_share,
+            "active_s": self.prefetch_idle_s,
+            "refresh_s": self.prefetch_refresh_s,
+        }
+
+
 class ServerConfig(BaseModel):
     """Everything ``tokenfeed-server serve`` needs; built once at the edge, then read-only."""
 
@@ -164,6 +228,7 @@ class ServerConfig(BaseModel):
         gt=0,
         description="seconds between two listings of an s3:// store (new or replaced datasets)",
     )
+    cache: CacheSettings = Field(default=CacheSettings())  # frozen: safe to share
     host: str = Field(
         default="127.0.0.1",
         min_length=1,

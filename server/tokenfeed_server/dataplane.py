@@ -44,12 +44,12 @@ from tokenfeed.protocol import JobSpec
 from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.logbudget import LogBudget
-from tokenfeed_server.prefetch import Prefetcher
 from tokenfeed_server.rates import Rate
 from tokenfeed_server.scheduler import FairQueue, TokenBucket
 from tokenfeed_server.store import Dataset, Store
 from tokenfeed_server.store.cache import NotResident, Waiter
 from tokenfeed_server.store.mixing import Feed, open_feed
+from tokenfeed_server.store.prefetch import Prefetcher
 from tokenfeed_server.store.remote import RemoteDataset
 
 log = logging.getLogger(__name__)

@@ -392,15 +392,7 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
             raise empty_corpus_error(len(files), stats.corpus)
         with (
             store_full_as_error(config, "shards", stats, text_bytes, tokenizer),
-            DatasetWriter(
-                config.store,
-                config.dataset,
-                tokenizer=tokenizer.info,
-                shuffle_seed=config.seed,
-                shard_tokens=config.shard_tokens,
-                overwrite=config.overwrite,
-                extra_files=extra,
-            ) as writer,
+            DatasetWriter.for_build(config, tokenizer.info, extra) as writer,
         ):
             for b in range(buckets.n):
                 _gather_bucket(

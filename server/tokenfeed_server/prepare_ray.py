@@ -337,15 +337,7 @@ def _open_writer(
         stack.callback(remove_temp_dir, scratch)
         extra[tokenizer.info.file] = scratch / tokenizer.info.file
         extra[tokenizer.info.file].write_text(tokenizer_json, encoding="utf-8")
-    return DatasetWriter(
-        config.store,
-        config.dataset,
-        tokenizer=tokenizer.info,
-        shuffle_seed=config.seed,
-        shard_tokens=config.shard_tokens,
-        overwrite=config.overwrite,
-        extra_files=extra,
-    )
+    return DatasetWriter.for_build(config, tokenizer.info, extra)
 
 
 def _documents(table: Any, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -105,7 +105,7 @@ def _open_store(config: ServerConfig, cleanup: contextlib.ExitStack) -> Store:
     from tokenfeed_server.store.objects import ObjectStore
 
     objects = ObjectStore(location)
-    cache = PieceCache(config.cache_dir, config.cache_size, objects)
+    cache = PieceCache(config.cache_dir, config.cache_size, objects, **config.cache.cache_options())
     # Closed after the store (callbacks run in reverse): no fetch outlives the server.
     cleanup.callback(cache.close)
     log.info(

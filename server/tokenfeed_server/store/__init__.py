@@ -1,34 +1,42 @@
-"""The data store: the on-disk dataset format, its reader and writer, and the serving Store.
+"""The data store: the on-disk dataset format, its readers and writer, the piece cache of
+a store in object storage, and the serving Store.
 
-One module per job: :mod:`~tokenfeed_server.store.format` (layout and shard header),
-:mod:`~tokenfeed_server.store.manifest` (``manifest.json`` and the fingerprint),
-:mod:`~tokenfeed_server.store.reader` (open a dataset validated, list a store, read
-rows), :mod:`~tokenfeed_server.store.writer` (write a dataset atomically),
-:mod:`~tokenfeed_server.store.objects` (``s3://`` store URLs and the S3 client),
-:mod:`~tokenfeed_server.store.publish` / :mod:`~tokenfeed_server.store.gc` (a dataset
-into object storage, and the objects no manifest references out of it),
-:mod:`~tokenfeed_server.store.cache` (the bounded, verified piece cache),
-:mod:`~tokenfeed_server.store.remote` (a dataset in object storage, read through it),
-:mod:`~tokenfeed_server.store.mixing` (a job's datasets and mixture) and
-:mod:`~tokenfeed_server.store.serving` (the datasets a running server shares between jobs).
+One module per job:
+
+* format and metadata: :mod:`~.format` (layout and shard header), :mod:`~.manifest`
+  (``manifest.json`` and the fingerprint);
+* reading: :mod:`~.reader` (the reader interface :class:`Dataset` and its shared read
+  path; dataset names), :mod:`~.local` (a dataset in a directory: open validated, list,
+  ``pread``), :mod:`~.remote` (a dataset in object storage, read through the cache),
+  :mod:`~.mixed_gather` (rows of several local datasets in one pass);
+* writing and publishing: :mod:`~.writer` (write a dataset atomically), :mod:`~.publish`
+  / :mod:`~.gc` (a dataset into object storage, and the objects no manifest references);
+* object storage: :mod:`~.objects` (``s3://`` URLs and the one S3 client),
+  :mod:`~.errors` (the store's exceptions and :func:`wire_error`, their wire kinds);
+* the piece cache: :mod:`~.pieces` (piece refs and lazy lists of them),
+  :mod:`~.cache_policy` (what to keep, evict, fetch next: pure), :mod:`~.cache` (the
+  mechanism: lock, fetch threads, pins, admission), :mod:`~.piece_index` (entries and
+  bytes), :mod:`~.piece_files` (the directory), :mod:`~.piece_fetch` (one verified fetch
+  with retries), :mod:`~.waiters`, :mod:`~.cache_stats`, :mod:`~.prefetch` (the jobs'
+  plans as the cache's wanted pieces);
+* serving: :mod:`~.mixing` (a job's datasets and mixture), :mod:`~.serving` (the
+  datasets a running server shares between jobs, pooled row buffers, window blocks).
 """
 
 from __future__ import annotations
 
+from tokenfeed_server.store.errors import wire_error
+from tokenfeed_server.store.local import LocalDataset, list_datasets, open_dataset
 from tokenfeed_server.store.manifest import Manifest, ShardInfo, TokenizerInfo
 from tokenfeed_server.store.objects import ObjectStore, S3Location, parse_store
-from tokenfeed_server.store.reader import (
-    Dataset,
-    list_datasets,
-    open_dataset,
-    validate_dataset_name,
-)
+from tokenfeed_server.store.reader import Dataset, validate_dataset_name
 from tokenfeed_server.store.serving import Store, assemble, summary
 from tokenfeed_server.store.writer import DatasetWriter, clean_stale_temp_dirs, write_dataset
 
 __all__ = [
     "Dataset",
     "DatasetWriter",
+    "LocalDataset",
     "Manifest",
     "ObjectStore",
     "S3Location",
@@ -42,5 +50,6 @@ __all__ = [
     "parse_store",
     "summary",
     "validate_dataset_name",
+    "wire_error",
     "write_dataset",
 ]

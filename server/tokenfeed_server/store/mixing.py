@@ -32,8 +32,9 @@ from tokenfeed import protocol
 from tokenfeed.errors import ConfigError, DatasetChanged, PlanError, RequestRejected
 from tokenfeed.mixture import MAX_PERIOD, Mixture, source_seed
 from tokenfeed.plan import Plan, default_block_sizes
-from tokenfeed_server.store.reader import Dataset, MixedGather
-from tokenfeed_server.store.serving import _row_buffers, _window_blocks, assemble
+from tokenfeed_server.store.mixed_gather import MixedGather
+from tokenfeed_server.store.reader import Dataset
+from tokenfeed_server.store.serving import assemble, row_buffers, window_blocks
 
 __all__ = ["MAX_LABEL", "MAX_TABLE_ROWS", "Feed", "Source", "open_feed"]
 
@@ -198,9 +199,9 @@ class Feed:
         # the first source's plan gives the request's stream positions for all.
         plan = self.first.plan
         positions = plan.rank_positions(rank, pos, count, stride)  # sorted, as blocks need
-        which, window_ids, epochs, starts = _window_blocks.windows(self._order, positions)
+        which, window_ids, epochs, starts = window_blocks.windows(self._order, positions)
         length = plan.seq_len + 1
-        out, out_rows = _row_buffers.take_rows((positions.size, length), self.first.dataset.dtype)
+        out, out_rows = row_buffers.take_rows((positions.size, length), self.first.dataset.dtype)
         # Every source's rows straight into their places in the request's buffer, in one
         # pass over the request when the sources are local files (no per-source copy).
         self._reader.gather(which, starts, length, out=out, rows=out_rows)

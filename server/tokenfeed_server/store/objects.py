@@ -26,7 +26,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenfeed.errors import ConfigError, StoreError, TokenFeedError
+from tokenfeed.errors import ConfigError, TokenFeedError
+from tokenfeed_server.store.errors import (
+    BucketNotFound,
+    ObjectNotFound,
+    ObjectStoreError,
+    ObjectTruncated,
+    StorageUnreachable,
+)
 
 __all__ = [
     "BucketNotFound",
@@ -34,7 +41,9 @@ __all__ = [
     "ObjectNotFound",
     "ObjectStore",
     "ObjectStoreError",
+    "ObjectTruncated",
     "S3Location",
+    "StorageUnreachable",
     "is_remote",
     "parse_store",
 ]
@@ -43,19 +52,6 @@ _BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{2,62}")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _DEFAULT_ATTEMPTS = 5
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
-
-
-class ObjectStoreError(StoreError):
-    """Object storage refused or failed a request (after retries); the message says which
-    object and what to do."""
-
-
-class ObjectNotFound(ObjectStoreError):
-    """The object (or its bucket) does not exist."""
-
-
-class BucketNotFound(ObjectNotFound):
-    """The bucket does not exist."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +230,7 @@ class ObjectStore:
         except Exception as exc:
             raise self._error(exc, "read", key) from exc
         if len(data) != stop - start:
-            raise ObjectStoreError(
+            raise ObjectTruncated(
                 f"{self.url(key)}: asked for bytes [{start}, {stop}), got {len(data)} bytes; "
                 "the object is shorter than its manifest says: rebuild the dataset with "
                 "tokenfeed-server prepare ... --overwrite"
@@ -378,18 +374,9 @@ class ObjectStore:
             endpoint = self.endpoint
         except AttributeError:  # no client yet
             endpoint = os.environ.get("AWS_ENDPOINT_URL", "the default AWS endpoint")
-        if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
-            return ObjectStoreError(
-                f"{url}: no AWS credentials found ({exc}); set AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or configure ~/.aws/credentials"
-            )
-        if isinstance(exc, bx.CredentialRetrievalError | bx.TokenRetrievalError):
-            return ObjectStoreError(
-                f"{url}: could not obtain AWS credentials ({exc}); check the profile's "
-                "credential_process / SSO session (aws sso login)"
-            )
-        if isinstance(exc, bx.ProfileNotFound):
-            return ObjectStoreError(f"{url}: {exc}; fix AWS_PROFILE or ~/.aws/config")
+        known = _credentials_error(exc, url)
+        if known is not None:
+            return known
         if isinstance(
             exc,
             bx.EndpointConnectionError
@@ -397,40 +384,72 @@ class ObjectStore:
             | bx.ReadTimeoutError
             | bx.ConnectionClosedError,
         ):
-            return ObjectStoreError(
+            return StorageUnreachable(
                 f"{url}: {verb} failed: endpoint {endpoint} unreachable after retries "
                 f"({exc}); check AWS_ENDPOINT_URL, the network, or the service's status"
             )
         if isinstance(exc, bx.ClientError):
-            err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-            message = err.get("Message") or code
-            if code == "NoSuchBucket" or (bucket_call and status == 404):
-                return BucketNotFound(
-                    f"{url}: bucket {self.location.bucket!r} does not exist at {endpoint}; "
-                    "create it, or fix the store URL / AWS_ENDPOINT_URL"
-                )
-            if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-                return ObjectNotFound(f"{url}: no such object")
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
-                return ObjectStoreError(
-                    f"{url}: the credentials were refused ({code}: {message}); check "
-                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the profile"
-                )
-            if code in ("AccessDenied", "403", "Forbidden", "AllAccessDisabled") or status == 403:
-                return ObjectStoreError(
-                    f"{url}: access denied ({verb}: {message}); check the "
-                    "credentials and that their policy allows s3:GetObject, s3:PutObject, "
-                    "s3:ListBucket (and s3:DeleteObject for gc) on this bucket and prefix"
-                )
-            return ObjectStoreError(
-                f"{url}: {verb} failed: {code or status} {message} (after retries)"
-            )
+            return self._client_error(exc, url, verb, endpoint, bucket_call)
         if isinstance(exc, bx.NoRegionError):
             return ObjectStoreError(f"{url}: no AWS region configured; set AWS_DEFAULT_REGION")
         if isinstance(exc, bx.BotoCoreError | OSError):
-            return ObjectStoreError(f"{url}: {verb} failed: {type(exc).__name__}: {exc}")
+            # a transport fault below botocore's own classes (a reset, a broken stream)
+            return StorageUnreachable(f"{url}: {verb} failed: {type(exc).__name__}: {exc}")
         if isinstance(exc, ValueError):  # botocore refuses e.g. a malformed endpoint URL
             return ConfigError(f"{url}: {exc}; check AWS_ENDPOINT_URL and ~/.aws/config")
         return ObjectStoreError(f"{url}: {verb} failed: {type(exc).__name__}: {exc}")
+
+    def _client_error(
+        self, exc: Any, url: str, verb: str, endpoint: str, bucket_call: bool
+    ) -> ObjectStoreError:
+        """A botocore ``ClientError`` (the service answered, refusing) as a tokenfeed error."""
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+        message = err.get("Message") or code
+        if code == "NoSuchBucket" or (bucket_call and status == 404):
+            return BucketNotFound(
+                f"{url}: bucket {self.location.bucket!r} does not exist at {endpoint}; "
+                "create it, or fix the store URL / AWS_ENDPOINT_URL"
+            )
+        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+            return ObjectNotFound(f"{url}: no such object")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"):
+            return ObjectStoreError(
+                f"{url}: the credentials were refused ({code}: {message}); check "
+                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the profile"
+            )
+        if code in ("AccessDenied", "403", "Forbidden", "AllAccessDisabled") or status == 403:
+            return ObjectStoreError(
+                f"{url}: access denied ({verb}: {message}); check the "
+                "credentials and that their policy allows s3:GetObject, s3:PutObject, "
+                "s3:ListBucket (and s3:DeleteObject for gc) on this bucket and prefix"
+            )
+        # throttling or a 5xx still failing after botocore's retries: may pass later
+        kind = StorageUnreachable if status >= 500 or code in _TRANSIENT_CODES else ObjectStoreError
+        return kind(f"{url}: {verb} failed: {code or status} {message} (after retries)")
+
+
+#: Error codes S3 and its look-alikes answer when overloaded (retried by botocore first).
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "ServiceUnavailable"}
+)
+
+
+def _credentials_error(exc: BaseException, url: str) -> ObjectStoreError | None:
+    """A missing or unusable credential or profile as a tokenfeed error; None for others."""
+    from botocore import exceptions as bx
+
+    if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
+        return ObjectStoreError(
+            f"{url}: no AWS credentials found ({exc}); set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or configure ~/.aws/credentials"
+        )
+    if isinstance(exc, bx.CredentialRetrievalError | bx.TokenRetrievalError):
+        return ObjectStoreError(
+            f"{url}: could not obtain AWS credentials ({exc}); check the profile's "
+            "credential_process / SSO session (aws sso login)"
+        )
+    if isinstance(exc, bx.ProfileNotFound):
+        return ObjectStoreError(f"{url}: {exc}; fix AWS_PROFILE or ~/.aws/config")
+    return None

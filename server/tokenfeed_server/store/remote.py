@@ -8,24 +8,28 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from tokenfeed.errors import CorruptShard, DatasetNotFound, ManifestError, StoreError
-from tokenfeed_server.store.format import (
-    HEADER_SIZE,
-    MANIFEST_NAME,
-    index_offset,
-    is_plain_file_name,
-)
+from tokenfeed.errors import DatasetNotFound, ManifestError, StoreError
+from tokenfeed_server.store.errors import DamagedShardObject, MissingShardObject, ObjectNotFound
+from tokenfeed_server.store.format import HEADER_SIZE, MANIFEST_NAME, is_plain_file_name
 from tokenfeed_server.store.manifest import Manifest
-from tokenfeed_server.store.reader import Dataset, is_dataset_name, validate_dataset_name
+from tokenfeed_server.store.pieces import PieceList
+from tokenfeed_server.store.reader import (
+    Dataset,
+    FileSpan,
+    is_dataset_name,
+    validate_dataset_name,
+)
+from tokenfeed_server.store.waiters import NotResident
 
 if TYPE_CHECKING:
-    from tokenfeed_server.store.cache import PieceCache, PieceRef, Waiter
+    from tokenfeed_server.store.cache import PieceCache, Waiter
     from tokenfeed_server.store.objects import ObjectStore
 
 __all__ = [
@@ -35,55 +39,6 @@ __all__ = [
     "open_remote_dataset",
     "read_blocking",
 ]
-
-
-class PieceList(Sequence["PieceRef"]):
-    """The pieces of a remote dataset's shard files in order, as
-    :class:`~tokenfeed_server.store.cache.PieceRef` objects made when asked for."""
-
-    def __init__(self, name: str, manifest: Manifest, objects: ObjectStore) -> None:
-        self._name = name
-        self._manifest = manifest
-        self._objects = objects
-        self._piece = manifest.piece_bytes
-        base = [0]
-        for shard in manifest.shards:
-            base.append(base[-1] + len(shard.pieces))
-        #: base[k] = global id of shard k's first piece; base[-1] = the number of pieces
-        self.base = base
-        self._sizes = [s.file_size(manifest.itemsize) for s in manifest.shards]
-        self._urls: dict[int, str] = {}
-
-    def __len__(self) -> int:
-        return self.base[-1]
-
-    @overload
-    def __getitem__(self, index: int) -> PieceRef: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[PieceRef]: ...
-
-    def __getitem__(self, index: int | slice) -> PieceRef | list[PieceRef]:
-        if isinstance(index, slice):
-            return [self._ref(i) for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"piece {index} of {len(self)}")
-        return self._ref(index)
-
-    def _ref(self, gid: int) -> PieceRef:
-        from tokenfeed_server.store.cache import PieceRef
-
-        k = bisect.bisect_right(self.base, gid) - 1
-        i = gid - self.base[k]
-        shard = self._manifest.shards[k]
-        key = f"{self._name}/{shard.name}"
-        url = self._urls.get(k)
-        if url is None:
-            url = self._urls[k] = self._objects.url(key)
-        start = i * self._piece
-        return PieceRef(shard.pieces[i], key, start, min(start + self._piece, self._sizes[k]), url)
 
 
 class RemoteDataset(Dataset):
@@ -104,7 +59,6 @@ class RemoteDataset(Dataset):
         self.objects = objects
         self.cache = cache
         self.url = objects.url(name)
-        self._closed = False
         self.piece_bytes = manifest.piece_bytes
         #: Every piece of the dataset, shard by shard, made on demand (a big dataset has
         #: millions): the global piece ids index it.
@@ -138,7 +92,7 @@ class RemoteDataset(Dataset):
         """Bytes of the pieces ``[first, end)`` as cached (a shard's last piece, or its
         only one when the shard is smaller than a piece, is shorter than
         :attr:`piece_bytes`)."""
-        bases, sizes, p = self.pieces.base, self.pieces._sizes, self.piece_bytes
+        bases, sizes, p = self.pieces.base, self.pieces.sizes, self.piece_bytes
         total, g = 0, max(0, first)
         k = bisect.bisect_right(bases, g) - 1
         while g < end and k < len(sizes):
@@ -157,23 +111,6 @@ class RemoteDataset(Dataset):
         base = self._piece_base_list[k]
         p = self.piece_bytes
         return range(base + offset // p, base + (offset + nbytes - 1) // p + 1)
-
-    def _file_spans(self, start: int, nbytes: int) -> Iterator[tuple[int, int, int]]:
-        """(shard, file offset, bytes) of the token bytes from stream offset ``start``."""
-        itemsize = self.dtype.itemsize
-        k = int(np.searchsorted(self._bounds, start, side="right")) - 1
-        pos, left = start, nbytes
-        while left > 0:
-            base, end = self._bounds_list[k], self._bounds_list[k + 1]
-            take = min(left, (end - pos) * itemsize)
-            yield k, HEADER_SIZE + (pos - base) * itemsize, take
-            left -= take
-            pos += take // itemsize
-            k += 1
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreError(f"dataset {self.name!r} is closed")
 
     # -- reads --------------------------------------------------------------------------
 
@@ -212,23 +149,14 @@ class RemoteDataset(Dataset):
         )
         return dict(zip(ids, fds, strict=True))
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of the stream (NotResident if pieces are missing)."""
-        start, stop = int(start), int(stop)
-        self._check_range(start, stop)
-        self._check_open()
-        out = np.empty(stop - start, dtype=self.dtype)
-        if stop == start:
-            return out
-        buf = out.data.cast("B")
-        spans = list(self._file_spans(start, len(buf)))
+    def _read_spans(self, buf: memoryview, spans: Sequence[FileSpan]) -> None:
+        """Fill ``buf`` from the cache (NotResident, nothing read, if pieces are missing)."""
         with self.cache.lock:
             fds = self._acquire(g for k, off, n in spans for g in self._span_pieces(k, off, n))
             done = 0
             for k, off, n in spans:
                 self._read_file(buf[done : done + n], k, off, fds)
                 done += n
-        return out
 
     def _gather(
         self,
@@ -240,74 +168,25 @@ class RemoteDataset(Dataset):
         """:meth:`Dataset._gather` from the cache (NotResident, nothing read, if pieces
         are missing): every row into ``rows`` when given, else into ``out``'s rows."""
         self._check_open()
-        n = len(starts_arr)
-        itemsize = self.dtype.itemsize
-        row = length * itemsize
-        p = self.piece_bytes
-        if len(self._bounds_list) == 2:  # one shard: no look-up of shards needed
-            first = np.zeros(n, dtype=np.int64)
-            offsets = starts_arr * itemsize + HEADER_SIZE
-            whole = True
-        else:
-            first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
-            last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
-            offsets = (starts_arr - self._bounds[first]) * itemsize + HEADER_SIZE
-            whole = first == last
-        pieces = offsets // p
-        g0 = self._piece_base[first] + pieces
-        # Rows in one piece of one shard (nearly all when rows are small next to pieces)
-        # are read in one pread each, in C; rows across one piece boundary of one shard
-        # (the next most common) in two, their pieces found in bulk; the others (across
-        # a shard boundary, or longer than a piece) span by span.
-        ends = (offsets + (row - 1)) // p
-        simple = whole & (pieces == ends)
-        pairs: list[tuple[int, int, int, int]] = []  # (row, first piece, inner, bytes there)
-        others: list[int] = []
-        slow_spans: list[list[tuple[int, int, int]]] = []
-        if not simple.all():
-            pair = whole & (ends == pieces + 1)
-            rest = ~(simple | pair)
-            pair_rows = np.flatnonzero(pair)
-            pair_g, pair_inner = g0[pair_rows], offsets[pair_rows] % p
-            pairs = list(
-                zip(
-                    pair_rows.tolist(), pair_g.tolist(), pair_inner.tolist(),
-                    (p - pair_inner).tolist(), strict=True,
-                )
-            )  # fmt: skip
-            others = np.flatnonzero(rest).tolist()
-            needed = [g0[simple], pair_g, pair_g + 1]
-            for i in others:
-                spans = list(self._file_spans(int(starts_arr[i]), row))
-                slow_spans.append(spans)
-                needed.append(
-                    np.asarray(
-                        [g for k, off, nb in spans for g in self._span_pieces(k, off, nb)],
-                        dtype=np.int64,
-                    )
-                )
-            ids = _sorted_unique(np.concatenate(needed))
-            g0, inner = g0[simple], offsets[simple] % p
-        else:
-            ids = _sorted_unique(g0)
-            inner = offsets % p
+        row = length * self.dtype.itemsize
+        plan = self._plan_rows(starts_arr, length)
         with self.cache.lock:
-            id_list = ids.tolist()
+            id_list = plan.ids.tolist()
             digests = self.digests
             fd_list = self.cache.acquire_locked(
                 [digests[g] for g in id_list], lambda: [self.pieces[g] for g in id_list]
             )
             fd_arr = np.asarray(fd_list, dtype=np.int64)
-            fds_simple = fd_arr[np.searchsorted(ids, g0)].tolist()
+            fds_simple = fd_arr[np.searchsorted(plan.ids, plan.g0)].tolist()
             if rows is None:
                 assert out is not None
                 row_bufs: Iterator[Any] = zip(out)  # ndarray rows (typeshed: not buffers)
             else:
                 row_bufs = iter(rows)
-            if pairs or others:
-                row_bufs = itertools.compress(row_bufs, simple.tolist())
+            if plan.simple is not None:
+                row_bufs = itertools.compress(row_bufs, plan.simple.tolist())
             try:
-                got = sum(map(os.preadv, fds_simple, row_bufs, inner.tolist()))
+                got = sum(map(os.preadv, fds_simple, row_bufs, plan.inner.tolist()))
             except OSError:
                 got = -1
             if got != len(fds_simple) * row:
@@ -315,39 +194,69 @@ class RemoteDataset(Dataset):
                     f"dataset {self.name!r}: a cached piece read short; something changed "
                     f"the cache directory {self.cache.directory}: restart the server"
                 )
-            if pairs or others:
+            if plan.simple is not None:
                 # Where the fast path would have put them: ``rows`` when given (maybe
                 # views of anywhere), else ``out``'s rows.
                 target = self._row_target(out, rows, row)
-                fd_of = dict(zip(id_list, fd_list, strict=True))
-                for i, g, inner_i, cut in pairs:
-                    buf = target(i)
-                    self._pread_piece(fd_of[g], buf[:cut], inner_i, g)
-                    self._pread_piece(fd_of[g + 1], buf[cut:], 0, g + 1)
-                for i, spans in zip(others, slow_spans, strict=True):
-                    buf, done = target(i), 0
-                    for k, off, nb in spans:
-                        self._read_file(buf[done : done + nb], k, off, fd_of)
-                        done += nb
+                self._read_awkward(plan, target, dict(zip(id_list, fd_list, strict=True)))
 
-    def document_starts(self, start: int, stop: int) -> np.ndarray:
-        """As :meth:`Dataset.document_starts`, from the cache (NotResident if missing)."""
-        self._check_open()
-        return super().document_starts(start, stop)
+    def _plan_rows(self, starts_arr: npt.NDArray[np.int64], length: int) -> _RowPlan:
+        """Which pieces the rows need, and how each row is read.
 
-    def _document_index(self, k: int) -> np.ndarray:
-        index = self._index.get(k)
-        if index is None:
-            shard = self.manifest.shards[k]
-            index = np.empty(shard.documents, dtype="<u8")
-            if shard.documents:
-                offset = index_offset(shard.tokens, self.dtype.itemsize)
-                buf = index.data.cast("B")
-                with self.cache.lock:
-                    fds = self._acquire(self._span_pieces(k, offset, len(buf)))
-                    self._read_file(buf, k, offset, fds)
-            self._index[k] = index
-        return index
+        Rows in one piece of one shard (nearly all when rows are small next to pieces)
+        are read in one pread each, in C; rows across one piece boundary of one shard
+        (the next most common) in two, their pieces found in bulk; the others (across a
+        shard boundary, or longer than a piece) span by span.
+        """
+        itemsize, p = self.dtype.itemsize, self.piece_bytes
+        row = length * itemsize
+        if len(self._bounds_list) == 2:  # one shard: no look-up of shards needed
+            first = np.zeros(len(starts_arr), dtype=np.int64)
+            offsets = starts_arr * itemsize + HEADER_SIZE
+            whole: Any = True
+        else:
+            first = np.searchsorted(self._bounds, starts_arr, side="right") - 1
+            last = np.searchsorted(self._bounds, starts_arr + (length - 1), side="right") - 1
+            offsets = (starts_arr - self._bounds[first]) * itemsize + HEADER_SIZE
+            whole = first == last
+        pieces = offsets // p
+        g0 = self._piece_base[first] + pieces
+        simple = whole & (pieces == (offsets + (row - 1)) // p)
+        if simple.all():
+            return _RowPlan(_sorted_unique(g0), g0, offsets % p)
+        pair = whole & (pieces == (offsets + (row - 1)) // p - 1)
+        pair_rows = np.flatnonzero(pair)
+        pair_g, pair_inner = g0[pair_rows], offsets[pair_rows] % p
+        pairs = list(
+            zip(
+                pair_rows.tolist(), pair_g.tolist(), pair_inner.tolist(),
+                (p - pair_inner).tolist(), strict=True,
+            )
+        )  # fmt: skip
+        others = np.flatnonzero(~(simple | pair)).tolist()
+        needed = [g0[simple], pair_g, pair_g + 1]
+        slow_spans: list[list[FileSpan]] = []
+        for i in others:
+            spans = list(self._file_spans(int(starts_arr[i]), row))
+            slow_spans.append(spans)
+            gids = [g for k, off, nb in spans for g in self._span_pieces(k, off, nb)]
+            needed.append(np.asarray(gids, dtype=np.int64))
+        ids = _sorted_unique(np.concatenate(needed))
+        return _RowPlan(ids, g0[simple], offsets[simple] % p, simple, pairs, others, slow_spans)
+
+    def _read_awkward(
+        self, plan: _RowPlan, target: Callable[[int], memoryview], fd_of: dict[int, int]
+    ) -> None:
+        """Read the rows across a piece or shard boundary (cache lock held)."""
+        for i, g, inner_i, cut in plan.pairs:
+            buf = target(i)
+            self._pread_piece(fd_of[g], buf[:cut], inner_i, g)
+            self._pread_piece(fd_of[g + 1], buf[cut:], 0, g + 1)
+        for i, spans in zip(plan.others, plan.slow_spans, strict=True):
+            buf, done = target(i), 0
+            for k, off, nb in spans:
+                self._read_file(buf[done : done + nb], k, off, fd_of)
+                done += nb
 
     def verify_checksums(self) -> None:
         """Nothing to do: every piece is verified against the manifest as it is fetched."""
@@ -365,8 +274,21 @@ class RemoteDataset(Dataset):
 
     def close(self) -> None:
         """Forget the dataset (the cache keeps its pieces; they are shared by builds)."""
-        self._closed = True
-        self._index.clear()
+        super().close()
+
+
+@dataclass
+class _RowPlan:
+    """How the rows of one gather are read (see :meth:`RemoteDataset._plan_rows`)."""
+
+    ids: npt.NDArray[np.int64]  # every piece needed, sorted, unique
+    g0: npt.NDArray[np.int64]  # the piece of each row read in one pread
+    inner: npt.NDArray[np.int64]  # the row's offset in that piece
+    simple: npt.NDArray[np.bool_] | None = None  # which rows those are (None: all)
+    pairs: list[tuple[int, int, int, int]] = field(default_factory=list)  # (row, first
+    # piece, offset there, bytes there) of rows across one piece boundary
+    others: list[int] = field(default_factory=list)  # rows read span by span
+    slow_spans: list[list[FileSpan]] = field(default_factory=list)
 
 
 _T = TypeVar("_T")
@@ -375,8 +297,6 @@ _T = TypeVar("_T")
 def read_blocking(ds: Dataset, read: Callable[[], _T], timeout: float | None = 60.0) -> _T:
     """``read()`` (a read of ``ds``), waiting for missing pieces instead of raising
     NotResident: for tools and tests, never for the data plane's loop."""
-    from tokenfeed_server.store.cache import NotResident
-
     deadline = None if timeout is None else time.monotonic() + timeout
     held: tuple[PieceCache, Waiter] | None = None
     try:
@@ -418,8 +338,6 @@ def open_remote_dataset(objects: ObjectStore, cache: PieceCache, name: str) -> R
 
     Nothing else is read: pieces come into the cache on demand, verified.
     """
-    from tokenfeed_server.store.objects import ObjectNotFound
-
     validate_dataset_name(name)
     url = objects.url(f"{name}/{MANIFEST_NAME}")
     try:
@@ -448,12 +366,12 @@ def open_remote_dataset(objects: ObjectStore, cache: PieceCache, name: str) -> R
         expected = shard.file_size(itemsize)
         size = sizes.get(key)
         if size is None:
-            raise CorruptShard(
+            raise MissingShardObject(
                 f"{objects.url(key)}: shard object is missing (deleted by gc or by hand?); "
                 "re-run tokenfeed-server prepare ... --overwrite"
             )
         if size != expected:
-            raise CorruptShard(
+            raise DamagedShardObject(
                 f"{objects.url(key)}: object has {size} bytes, the manifest says {expected}; "
                 "re-run tokenfeed-server prepare ... --overwrite"
             )

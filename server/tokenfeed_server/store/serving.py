@@ -37,13 +37,9 @@ from tokenfeed.errors import DatasetNotFound, StoreError
 from tokenfeed.plan import INT64_MAX, Plan
 from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store.format import MANIFEST_NAME
+from tokenfeed_server.store.local import list_datasets, open_dataset
 from tokenfeed_server.store.objects import ObjectStoreError, S3Location
-from tokenfeed_server.store.reader import (
-    Dataset,
-    list_datasets,
-    open_dataset,
-    validate_dataset_name,
-)
+from tokenfeed_server.store.reader import Dataset, validate_dataset_name
 from tokenfeed_server.store.remote import list_remote_datasets, open_remote_dataset
 
 if TYPE_CHECKING:
@@ -61,7 +57,9 @@ _Signature = tuple[object, ...]
 
 
 @dataclass(frozen=True)
-class _Entry:
+class _Listing:
+    """One dataset as the last scan found it: opened, or the error that stops it."""
+
     signature: _Signature
     dataset: Dataset | None
     error: StoreError | None
@@ -93,7 +91,7 @@ class Store:
         self.verify_checksums = verify_checksums
         self.scan_interval_s = scan_interval_s
         # Replaced whole by the watcher, never mutated: readers need no lock.
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Listing] = {}
         self._scans = threading.Condition()
         self._started = 0  # scans begun
         self._finished = 0  # scans completed
@@ -194,9 +192,9 @@ class Store:
                 self._finished += 1
                 self._scans.notify_all()
 
-    def _rescan(self, verify_checksums: bool, initial: bool) -> dict[str, _Entry]:
+    def _rescan(self, verify_checksums: bool, initial: bool) -> dict[str, _Listing]:
         old = self._entries
-        new: dict[str, _Entry] = {}
+        new: dict[str, _Listing] = {}
         if self.objects is not None:
             return self._rescan_remote(old, initial)
         assert isinstance(self.root, Path)
@@ -210,7 +208,7 @@ class Store:
                 signature: _Signature = (-1, -1, exc.errno or 0)
                 if entry is None or entry.signature != signature:
                     error = StoreError(f"dataset {name!r}: cannot read its manifest: {exc}")
-                    entry = _Entry(signature, None, error)
+                    entry = _Listing(signature, None, error)
                     self._report(name, entry, True)
                 new[name] = entry
                 continue
@@ -222,10 +220,10 @@ class Store:
             new[name] = entry
         return new
 
-    def _rescan_remote(self, old: dict[str, _Entry], initial: bool) -> dict[str, _Entry]:
+    def _rescan_remote(self, old: dict[str, _Listing], initial: bool) -> dict[str, _Listing]:
         """One listing of ``<prefix>/*/manifest.json``; (re)open what is new or changed."""
         assert self.objects is not None
-        new: dict[str, _Entry] = {}
+        new: dict[str, _Listing] = {}
         for name, signature in list_remote_datasets(self.objects).items():
             entry = old.get(name)
             if entry is None or entry.signature != signature:
@@ -236,11 +234,11 @@ class Store:
                 if isinstance(entry.error, ObjectStoreError):
                     # Object storage failed (after retries), not the dataset: try again
                     # at the next scan instead of keeping it broken until it changes.
-                    entry = _Entry((), None, entry.error)
+                    entry = _Listing((), None, entry.error)
             new[name] = entry
         return new
 
-    def _open(self, name: str, signature: _Signature, verify_checksums: bool) -> _Entry:
+    def _open(self, name: str, signature: _Signature, verify_checksums: bool) -> _Listing:
         # A failure is kept under its signature: a damaged dataset is not re-read on every
         # scan, only once its manifest changes (a rebuild).
         try:
@@ -251,15 +249,15 @@ class Store:
                 assert isinstance(self.root, Path)
                 ds = open_dataset(self.root, name, verify_checksums=verify_checksums)
         except StoreError as exc:
-            return _Entry(signature, None, exc)
+            return _Listing(signature, None, exc)
         except Exception as exc:
             # An OSError the reader did not expect, a manifest nested too deep to parse, a
             # bug: the dataset is listed broken and every other one is still served.
             error = StoreError(f"dataset {name!r} cannot be opened: {type(exc).__name__}: {exc}")
-            return _Entry(signature, None, error)
-        return _Entry(signature, ds, None)
+            return _Listing(signature, None, error)
+        return _Listing(signature, ds, None)
 
-    def _report(self, name: str, entry: _Entry, new: bool) -> None:
+    def _report(self, name: str, entry: _Listing, new: bool) -> None:
         if entry.error is not None:
             log.error("dataset %s is not served: %s", name, entry.error)
             return
@@ -418,7 +416,8 @@ class _Slot:
         self.rows: dict[int, list[tuple[memoryview]]] = {}
 
 
-_row_buffers = RowBuffers()
+#: The pool every request's rows are read into (shared by single-dataset and mixed jobs).
+row_buffers = RowBuffers()
 
 
 IntArray = npt.NDArray[np.int64]
@@ -509,7 +508,8 @@ class WindowBlocks:
 
 # Rows per position spanned below which a request is computed directly (see WindowBlocks).
 _DENSITY = 16
-_window_blocks = WindowBlocks()
+#: The window blocks shared by every job (see :class:`WindowBlocks`).
+window_blocks = WindowBlocks()
 
 
 def assemble(
@@ -521,7 +521,7 @@ def assemble(
     cannot be read raises CorruptShard naming the dataset.
     """
     positions = plan.rank_positions(rank, pos, count, stride)  # sorted, as blocks need
-    window_ids, epochs = _window_blocks.windows(plan, positions)
-    out, rows = _row_buffers.take_rows((len(window_ids), plan.seq_len + 1), ds.dtype)
+    window_ids, epochs = window_blocks.windows(plan, positions)
+    out, rows = row_buffers.take_rows((len(window_ids), plan.seq_len + 1), ds.dtype)
     tokens = ds.gather(plan.token_starts(window_ids), plan.seq_len + 1, out=out, rows=rows)
     return tokens, window_ids, epochs

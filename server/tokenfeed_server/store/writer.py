@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +46,7 @@ from tokenfeed_server.store.manifest import Manifest, ShardInfo, TokenizerInfo
 from tokenfeed_server.store.reader import validate_dataset_name
 
 __all__ = [
+    "BuildTarget",
     "DatasetWriter",
     "clean_stale_temp_dirs",
     "make_temp_dir",
@@ -258,6 +259,25 @@ class _ShardFile:
         self.file.close()
 
 
+class BuildTarget(Protocol):
+    """What :meth:`DatasetWriter.for_build` reads of a prepare run's settings."""
+
+    @property
+    def store(self) -> Path: ...
+
+    @property
+    def dataset(self) -> str: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def shard_tokens(self) -> int: ...
+
+    @property
+    def overwrite(self) -> bool: ...
+
+
 class DatasetWriter:
     """Streams documents into a new dataset, atomically.
 
@@ -309,6 +329,25 @@ class DatasetWriter:
         self._pending_tokens = 0
         self._documents = 0
         self._done = False
+
+    @classmethod
+    def for_build(
+        cls,
+        build: BuildTarget,
+        tokenizer: TokenizerInfo,
+        extra_files: Mapping[str, Path] | None = None,
+    ) -> DatasetWriter:
+        """The writer of a prepare run ``build`` (its store, dataset name, seed, shard
+        size and overwrite flag): the one way every prepare engine opens its writer."""
+        return cls(
+            build.store,
+            build.dataset,
+            tokenizer=tokenizer,
+            shuffle_seed=build.seed,
+            shard_tokens=build.shard_tokens,
+            overwrite=build.overwrite,
+            extra_files=extra_files,
+        )
 
     def _check_exists(self) -> None:
         if not self.overwrite and self.final_path.exists():

@@ -18,22 +18,22 @@ second, on its own thread; it only computes spans and hands a list to the cache.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol, overload
+from typing import Protocol
 
 from tokenfeed.plan import Plan
-from tokenfeed_server.store.cache import PieceCache, PieceRef
+from tokenfeed_server.store.cache import PieceCache
+from tokenfeed_server.store.pieces import PieceRange, WantedPieces
 from tokenfeed_server.store.reader import Dataset
 from tokenfeed_server.store.remote import RemoteDataset
 
-__all__ = ["PrefetchJob", "Prefetcher", "wanted_ranges"]
+__all__ = ["ACTIVE_S", "REFRESH_S", "PrefetchJob", "Prefetcher", "most_that_fit", "wanted_ranges"]
 
-#: A job that asked nothing for this long is not prefetched for.
+#: Default of ``active_s``: a job that asked nothing for this long is not prefetched for.
 ACTIVE_S = 120.0
-#: The wanted pieces are handed again at least this often, so that wanted pieces evicted
-#: meanwhile (room made for a request) are fetched again.
+#: Default of ``refresh_s``: the wanted pieces are handed again at least this often, so
+#: that wanted pieces evicted meanwhile (room made for a request) are fetched again.
 REFRESH_S = 5.0
 
 
@@ -62,13 +62,9 @@ class PrefetchJob(Protocol):
     last_active: float
 
 
-# (dataset, first piece id, end piece id), most urgent first
-_Range = tuple[RemoteDataset, int, int]
-
-
 def wanted_ranges(
     dataset: Dataset, plan: Plan, position: int, capacity: int, *, blocks: int = 2
-) -> list[_Range]:
+) -> list[PieceRange]:
     """The piece ranges of ``dataset`` that ``plan`` reads from stream ``position`` on:
     the current block's first, then the next ``blocks - 1``; for the global shuffle the
     whole dataset if it fits in ``capacity`` bytes, else nothing."""
@@ -78,7 +74,7 @@ def wanted_ranges(
         if dataset.nbytes <= capacity:
             return [(dataset, 0, len(dataset.pieces))]
         return []
-    out: list[_Range] = []
+    out: list[PieceRange] = []
     seen: set[tuple[int, int]] = set()
     for n in range(1, blocks + 1):  # a span of block 1 comes again in blocks 1..2: once
         for start, stop in plan.block_spans(position, n):
@@ -89,42 +85,7 @@ def wanted_ranges(
     return out
 
 
-class _Wanted(Sequence[PieceRef]):
-    """Disjoint piece ranges of remote datasets as one sequence of refs, made on demand."""
-
-    def __init__(self, ranges: list[_Range]) -> None:
-        self._ranges = ranges
-        self._starts = [0]
-        for _, first, end in ranges:
-            self._starts.append(self._starts[-1] + end - first)
-
-    def __len__(self) -> int:
-        return self._starts[-1]
-
-    @overload
-    def __getitem__(self, index: int) -> PieceRef: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[PieceRef]: ...
-
-    def __getitem__(self, index: int | slice) -> PieceRef | list[PieceRef]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        k = bisect.bisect_right(self._starts, index) - 1
-        ds, first, _ = self._ranges[k]
-        return ds.pieces[first + index - self._starts[k]]
-
-    def digests(self) -> list[str]:
-        """The pieces' digests, in order."""
-        out: list[str] = []
-        for ds, first, end in self._ranges:
-            out.extend(ds.digests[first:end])
-        return out
-
-
-def _most_that_fit(ds: RemoteDataset, first: int, top: int, room: int) -> int:
+def most_that_fit(ds: RemoteDataset, first: int, top: int, room: int) -> int:
     """The largest ``hi`` in ``[first, top]`` whose pieces ``[first, hi)`` take at most
     ``room`` bytes (a binary search: the bytes grow with ``hi``)."""
     lo, hi = first, top
@@ -154,22 +115,33 @@ class Prefetcher:
     """Tells ``cache`` which pieces the active jobs read next (see the module docstring).
 
     At most ``share`` of the cache is wanted at once, so pieces that requests wait for
-    always find room without evicting what the next block needs.
+    always find room without evicting what the next block needs. The server takes the
+    knobs from its settings (:class:`~tokenfeed_server.config.CacheSettings`).
     """
 
-    def __init__(self, cache: PieceCache, *, blocks: int = 2, share: float = 0.75) -> None:
+    def __init__(
+        self,
+        cache: PieceCache,
+        *,
+        blocks: int = 2,
+        share: float = 0.75,
+        active_s: float = ACTIVE_S,
+        refresh_s: float = REFRESH_S,
+    ) -> None:
         self.cache = cache
         self.blocks = blocks
         self.budget = int(cache.capacity * share)
+        self.active_s = active_s
+        self.refresh_s = refresh_s
         self._last: list[tuple[int, int, int]] | None = None
         self._last_sent = 0.0
 
     def update(self, jobs: Iterable[PrefetchJob], now: float | None = None) -> None:
         """Recompute the wanted pieces; hand them to the cache when they changed."""
         now = time.monotonic() if now is None else now
-        ranges: list[_Range] = []
+        ranges: list[PieceRange] = []
         for job in jobs:
-            if now - job.last_active > ACTIVE_S:
+            if now - job.last_active > self.active_s:
                 continue
             feed = job.feed
             for source, pos in zip(feed.sources, feed.source_positions(job.position), strict=True):
@@ -180,25 +152,25 @@ class Prefetcher:
                 )
         key = [(id(ds), a, b) for ds, a, b in ranges]
         if key == self._last:
-            if now - self._last_sent >= REFRESH_S:
+            if now - self._last_sent >= self.refresh_s:
                 self._last_sent = now
                 self.cache.refresh_wanted()
             return
         self._last, self._last_sent = key, now
         # Disjoint ranges (two jobs on one dataset want it once), most urgent first, within
         # the budget (the pieces' exact sizes: a shard smaller than a piece is one short one).
-        chosen: list[_Range] = []
+        chosen: list[PieceRange] = []
         covered: dict[int, list[tuple[int, int]]] = {}
         total = 0
         for ds, first, end in ranges:
             for lo, top in _subtract(first, end, covered.get(id(ds), [])):
                 hi = top
                 if total + ds.range_bytes(lo, hi) > self.budget:
-                    hi = _most_that_fit(ds, lo, top, self.budget - total)
+                    hi = most_that_fit(ds, lo, top, self.budget - total)
                 if hi <= lo:
                     continue
                 chosen.append((ds, lo, hi))
                 covered.setdefault(id(ds), []).append((lo, hi))
                 total += ds.range_bytes(lo, hi)
-        wanted = _Wanted(chosen)
+        wanted = WantedPieces(chosen)
         self.cache.want(wanted, wanted.digests())

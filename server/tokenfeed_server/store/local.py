@@ -1,0 +1,364 @@
+"""Datasets in a local store directory: open one validated and read-only, list them."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import itertools
+import os
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tokenfeed.dtypes import DTYPES
+from tokenfeed.errors import CorruptShard, DatasetNotFound, ManifestError, StoreError
+from tokenfeed_server.store.format import (
+    CHECKSUM_ALGO,
+    DTYPE_CODES,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAGIC,
+    MANIFEST_NAME,
+    ShardHeader,
+    index_offset,
+    is_plain_file_name,
+    shard_size,
+)
+from tokenfeed_server.store.manifest import Manifest, ShardInfo
+from tokenfeed_server.store.reader import (
+    Dataset,
+    FileSpan,
+    is_dataset_name,
+    validate_dataset_name,
+)
+
+__all__ = ["LocalDataset", "list_datasets", "open_dataset", "pread_rows"]
+
+_HASH_CHUNK = 1 << 24
+_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_FIX = "re-run tokenfeed-server prepare ... --overwrite to rebuild the dataset"
+
+
+class LocalDataset(Dataset):
+    """A dataset in a local directory, read with ``pread`` from its shard files.
+
+    Nothing is memory-mapped: a shard truncated or damaged while the dataset is open makes a
+    read raise :class:`~tokenfeed.errors.CorruptShard` naming the dataset and the file,
+    where touching a map would kill the whole process with SIGBUS. The files stay open, so
+    a dataset replaced on disk keeps reading its old files until it is closed.
+    """
+
+    def __init__(self, name: str, path: Path, manifest: Manifest) -> None:
+        super().__init__(name, path, manifest)
+        self._fds: list[int] = []
+        # Closes the files when the dataset is dropped (a replaced one, its last job gone).
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+
+    @property
+    def fds(self) -> Sequence[int]:
+        """The open descriptor of every shard file, in order (empty once closed)."""
+        return self._fds
+
+    def _attach(self, dir_fd: int) -> None:
+        """Open every shard through ``dir_fd``, the directory the manifest was read from.
+
+        Names are resolved in that directory, not by path: a ``prepare --overwrite`` that
+        swaps the dataset directory meanwhile cannot pair this manifest with the new
+        build's shards.
+        """
+        for shard in self.manifest.shards:
+            path = self.path / shard.name
+            try:
+                fd = os.open(shard.name, _RDONLY, dir_fd=dir_fd)
+            except FileNotFoundError:
+                raise CorruptShard(f"{path}: shard file is missing; {_FIX}") from None
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # Not a damaged dataset: the server holds one descriptor per shard.
+                    raise StoreError(
+                        f"dataset {self.name!r}: out of file descriptors opening shard "
+                        f"{len(self._fds) + 1} of {len(self.manifest.shards)} (the server "
+                        "keeps one per shard); raise the limit (`ulimit -n`, or "
+                        "`nofile` in Docker/systemd) and restart the server"
+                    ) from exc
+                raise CorruptShard(f"{path}: cannot open shard: {exc}; {_FIX}") from exc
+            self._fds.append(fd)
+            # Checked through the descriptor that will be read: no window for a swap.
+            _check_shard_file(fd, path, shard, self.manifest.dtype)
+            # Windows are read at random: readahead would pull in pages nobody asked for.
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset({self.name!r}, tokens={self.n_tokens}, documents={self.n_documents}, "
+            f"shards={len(self.manifest.shards)}, dtype={self.manifest.dtype})"
+        )
+
+    def _read_spans(self, buf: memoryview, spans: Sequence[FileSpan]) -> None:
+        done = 0
+        for k, offset, nbytes in spans:
+            self._pread(k, buf[done : done + nbytes], offset)
+            done += nbytes
+
+    def _pread(self, k: int, buf: memoryview, offset: int) -> None:
+        try:
+            got = os.preadv(self._fds[k], [buf], offset)
+        except OSError as exc:
+            raise self._read_error(k, f"{exc.strerror or exc}") from None
+        except IndexError:
+            raise StoreError(f"dataset {self.name!r} is closed") from None
+        if got != len(buf):
+            raise self._read_error(k, f"read {got} of {len(buf)} bytes at offset {offset}")
+
+    def _read_error(self, k: int, what: str) -> CorruptShard:
+        return CorruptShard(
+            f"dataset {self.name!r}: cannot read {self.path / self.manifest.shards[k].name} "
+            f"({what}): the file changed under the server; rebuild the dataset with "
+            "tokenfeed-server prepare ... --overwrite"
+        )
+
+    def _gather(
+        self,
+        starts_arr: npt.NDArray[np.int64],
+        length: int,
+        out: np.ndarray | None,
+        rows: Sequence[tuple[Any]] | None,
+    ) -> None:
+        """One ``pread`` per row straight into its place (rows are random windows: no two
+        share a file range worth merging); a row that crosses a shard boundary is read in
+        two."""
+        if not self._fds:
+            raise StoreError(f"dataset {self.name!r} is closed")
+        row = length * self.dtype.itemsize
+        row_bufs: Iterator[tuple[Any]]
+        if rows is None:
+            assert out is not None
+            row_bufs = zip(out)  # ndarray rows (typeshed: not buffers)
+        else:
+            row_bufs = iter(rows)
+        crossing = pread_rows(
+            self._fds, self._bounds, starts_arr, length, itemsize=self.dtype.itemsize,
+            row_bufs=row_bufs,
+        )  # fmt: skip
+        # The rows read piecewise or again go where the fast path puts them: through
+        # ``rows`` when given (views of anywhere, e.g. a mixture's scattered rows of one
+        # source), else into ``out``'s rows.
+        # Some read failed: row by row, to raise CorruptShard naming the shard of the
+        # first failed read (rows that read in full this time are simply served).
+        again = range(len(starts_arr)) if crossing is None else crossing
+        if again:
+            target = self._row_target(out, rows, row)
+            for i in again:
+                self._read_spans(target(i), list(self._file_spans(int(starts_arr[i]), row)))
+
+    def verify_checksums(self) -> None:
+        """Hash every shard and compare with the manifest; raise CorruptShard naming the file."""
+        if not self._fds:
+            raise StoreError(f"dataset {self.name!r} is closed")
+        for fd, shard in zip(self._fds, self.manifest.shards, strict=True):
+            path = self.path / shard.name
+            algo, _, expected = shard.checksum.partition(":")
+            # Through the open file: the bytes hashed are the bytes served.
+            actual = _file_checksum(fd, path, algo, HEADER_SIZE)
+            if actual != expected:
+                raise CorruptShard(
+                    f"{path}: checksum mismatch ({algo} {actual} != manifest {expected}); the "
+                    f"shard is corrupt: re-run tokenfeed-server prepare ... --dataset "
+                    f"{self.name} --overwrite"
+                )
+
+    def read_extra_file(self, name: str) -> bytes:
+        """One of the manifest's ``extra_files``, read in this dataset's directory."""
+        if name not in self.manifest.extra_files or not is_plain_file_name(name):
+            raise ValueError(f"{name!r} is not one of dataset {self.name!r}'s files")
+        fd = os.open(self.path, _RDONLY | os.O_DIRECTORY)
+        try:
+            file_fd = os.open(name, _RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=fd)
+        finally:
+            os.close(fd)
+        with os.fdopen(file_fd, "rb") as f:
+            return f.read()
+
+    def close(self) -> None:
+        """Close the shard files; reading afterwards raises StoreError."""
+        self._finalizer()
+        super().close()
+
+
+def pread_rows(
+    fds: Sequence[int],
+    bounds: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64],
+    length: int,
+    *,
+    itemsize: int,
+    row_bufs: Iterator[tuple[Any]],
+) -> list[int] | None:
+    """Read row ``i`` (``length`` tokens from token ``starts[i]`` of the files ``fds``,
+    file ``k`` holding tokens ``[bounds[k], bounds[k+1])``) into the next of ``row_bufs``
+    with one ``preadv`` each: the indices of the rows that cross a file boundary (not
+    read: the caller reads them piecewise), or None when some read failed or came short
+    (the caller reads row by row to name the file).
+
+    The loop over rows runs in C (map, zip, sum over os.preadv): no Python bytecode per
+    row, which was most of the cost of reading small rows. preadv takes a sequence of
+    buffers: a 1-tuple per row (iterating an array yields its rows as views; cheaper
+    than slicing a memoryview).
+    """
+    n = len(starts)
+    crossing: list[int] = []
+    fd_iter: Iterable[int]
+    if len(fds) == 1:
+        fd_iter = itertools.repeat(fds[0], n)
+        offsets = starts * itemsize + HEADER_SIZE
+    else:
+        first = np.searchsorted(bounds, starts, side="right") - 1
+        last = np.searchsorted(bounds, starts + (length - 1), side="right") - 1
+        offsets = (starts - bounds[first]) * itemsize + HEADER_SIZE
+        fd_iter = np.asarray(fds, dtype=np.int64)[first].tolist()
+        whole = first == last
+        if not whole.all():  # rows across a file boundary: left to the caller
+            crossing = np.flatnonzero(~whole).tolist()
+            keep = whole.tolist()
+            row_bufs = itertools.compress(row_bufs, keep)
+            fd_iter = itertools.compress(fd_iter, keep)
+            offsets = offsets[whole]
+    # Every byte is counted: a short read anywhere shows in the total.
+    expected = (n - len(crossing)) * length * itemsize
+    try:
+        got = sum(map(os.preadv, fd_iter, row_bufs, offsets.tolist()))
+    except OSError:
+        return None
+    return crossing if got == expected else None
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _check_shard_file(fd: int, path: Path, shard: ShardInfo, dtype: str) -> None:
+    itemsize = DTYPES[dtype].itemsize
+    try:
+        head = os.pread(fd, HEADER_SIZE, 0)
+        size = os.fstat(fd).st_size
+    except OSError as exc:
+        raise CorruptShard(f"{path}: cannot read shard: {exc}; {_FIX}") from exc
+    if len(head) < HEADER_SIZE:
+        raise CorruptShard(f"{path}: truncated header ({size} bytes); {_FIX}")
+    header = ShardHeader.unpack(head)
+    problems = []
+    if header.magic != MAGIC:
+        problems.append(f"bad magic {header.magic!r}, not a tokenfeed shard")
+    elif header.version != FORMAT_VERSION:
+        problems.append(f"format version {header.version}, expected {FORMAT_VERSION}")
+    else:
+        if header.dtype_code != DTYPE_CODES[dtype]:
+            problems.append(f"dtype code {header.dtype_code}, manifest says {dtype}")
+        if header.tokens != shard.tokens:
+            problems.append(f"header has {header.tokens} tokens, manifest {shard.tokens}")
+        if header.documents != shard.documents:
+            problems.append(f"header has {header.documents} documents, manifest {shard.documents}")
+        if header.index_offset != index_offset(shard.tokens, itemsize):
+            problems.append(f"document index offset {header.index_offset} is inconsistent")
+        expected = shard_size(shard.tokens, shard.documents, itemsize)
+        if size != expected:
+            what = "truncated" if size < expected else "has trailing bytes"
+            problems.append(f"file {what}: {size} bytes, expected {expected}")
+    if problems:
+        raise CorruptShard(f"{path}: {'; '.join(problems)}; {_FIX}")
+
+
+def _file_checksum(fd: int, path: Path, algo: str, skip: int) -> str:
+    if algo != CHECKSUM_ALGO:
+        raise CorruptShard(f"{path}: unknown checksum algorithm {algo!r}")
+    hasher = hashlib.blake2b(digest_size=16)
+    offset = skip
+    try:
+        while chunk := os.pread(fd, _HASH_CHUNK, offset):
+            hasher.update(chunk)
+            offset += len(chunk)
+    except OSError as exc:
+        raise CorruptShard(f"{path}: cannot read shard: {exc}; {_FIX}") from exc
+    return hasher.hexdigest()
+
+
+def open_dataset(
+    store: str | os.PathLike[str], name: str, *, verify_checksums: bool = False
+) -> LocalDataset:
+    """Open ``<store>/<name>``: check the manifest and every shard's header and size.
+
+    Raises DatasetNotFound, ManifestError or CorruptShard with the file named and what to
+    do. ``verify_checksums`` also hashes every shard (reads the whole dataset).
+    """
+    path = Path(store) / validate_dataset_name(name)
+    try:
+        # One directory descriptor for the manifest and every shard: one open, one build.
+        dir_fd = os.open(path, _RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        known = ", ".join(list_datasets(store)) or "none"
+        raise DatasetNotFound(
+            f"no dataset {name!r} in store {store} (datasets: {known}); "
+            "create it with tokenfeed-server prepare"
+        ) from None
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open dataset directory: {exc}") from exc
+    try:
+        manifest = _read_manifest(dir_fd, path / MANIFEST_NAME)
+        dataset = LocalDataset(name, path, manifest)
+        try:
+            dataset._attach(dir_fd)
+            if verify_checksums:
+                dataset.verify_checksums()
+        except BaseException:
+            dataset.close()
+            raise
+    finally:
+        os.close(dir_fd)
+    return dataset
+
+
+def _read_manifest(dir_fd: int, manifest_path: Path) -> Manifest:
+    try:
+        fd = os.open(MANIFEST_NAME, _RDONLY, dir_fd=dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ManifestError(
+            f"{manifest_path}: cannot read manifest ({exc.strerror or exc}); the dataset is "
+            "incomplete: re-run tokenfeed-server prepare ... --overwrite"
+        ) from exc
+    try:
+        return Manifest.from_json(text)
+    except ManifestError as exc:
+        raise ManifestError(
+            f"{manifest_path}: {exc}; re-run tokenfeed-server prepare ... --overwrite"
+        ) from exc
+
+
+def list_datasets(store: str | os.PathLike[str]) -> list[str]:
+    """Names of the complete datasets in ``store``, sorted; [] if the store does not exist.
+
+    Temp directories of running or crashed writers are never listed.
+    """
+    root = Path(store)
+    if not root.exists():
+        return []
+    if not root.is_dir():
+        raise StoreError(f"store {root} is not a directory")
+    names = []
+    for entry in root.iterdir():
+        if not is_dataset_name(entry.name):
+            continue
+        try:
+            complete = (entry / MANIFEST_NAME).is_file()
+        except OSError:  # e.g. EACCES: listed, so that opening it says what is wrong
+            complete = True
+        if complete:
+            names.append(entry.name)
+    return sorted(names)
