@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -21,6 +19,7 @@ from shard_data import BYTE
 from tokenfeed import TokenFeedDataset
 from tokenfeed_server.cli import main
 from tokenfeed_server.store import write_dataset
+from waiting import wait_until
 
 pytestmark = pytest.mark.network
 
@@ -55,13 +54,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 def wait_for_jobs(srv: LiveServer, n: int, timeout: float = 15.0) -> None:
     """Until the data plane's snapshot (refreshed twice a second) shows ``n`` served jobs."""
     auth = {"Authorization": f"Bearer {ADMIN}"}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def shown() -> bool:
         jobs = srv.get("/v1/jobs", headers=auth).json()
-        if len(jobs) == n and all(j["consumed_position"] for j in jobs):
-            return
-        threading.Event().wait(0.1)  # the next snapshot, not the server's start-up
-    raise TimeoutError(f"the server did not show {n} jobs within {timeout}s")
+        return len(jobs) == n and all(j["consumed_position"] for j in jobs)
+
+    wait_until(shown, timeout, f"{n} served jobs in /v1/jobs", interval=0.1)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -6,7 +6,6 @@ open with an admin token, one shared token, and a tenants file with an admin tok
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from shard_data import BYTE
 from tokenfeed_server.api_models import ConfigView, LimitsView
 from tokenfeed_server.config import Limits, ServerConfig
 from tokenfeed_server.store import write_dataset
+from waiting import wait_until
 
 pytestmark = pytest.mark.network
 
@@ -171,10 +171,7 @@ def test_metrics_want_the_admin_token_and_health_stays_open(tenants: LiveServer)
     tenants.run_job("alpha", ALICE)
     # /v1/jobs and /metrics read the data plane's snapshot, refreshed a few times a
     # second: wait (bounded) until it holds the job, then compare the two.
-    deadline = time.monotonic() + 20
-    while not tenants.get("/v1/jobs", headers=bearer(ADMIN)).json():
-        assert time.monotonic() < deadline, "the job never appeared in /v1/jobs"
-        time.sleep(0.1)
+    wait_until(lambda: tenants.get("/v1/jobs", headers=bearer(ADMIN)).json(), 20, "job in /v1/jobs")
     assert tenants.get("/metrics").status_code == 401
     assert tenants.get("/metrics", headers=bearer("not-a-token")).status_code == 401
     refused = tenants.get("/metrics", headers=bearer(ALICE))

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -17,6 +17,7 @@ from tokenfeed.client import ClientOptions, FeedClient
 from tokenfeed.errors import UnknownDataset
 from tokenfeed.protocol import JobSpec
 from tokenfeed_server.store import write_dataset
+from waiting import wait_until
 
 pytestmark = pytest.mark.network
 
@@ -40,12 +41,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 
 def connections(server: LiveServer, want: int) -> int:
-    deadline = time.monotonic() + 5
-    while True:  # the status snapshot refreshes twice a second
+    seen = -1
+
+    def settled() -> bool:  # the status snapshot refreshes twice a second
+        nonlocal seen
         seen = int(server.get("/v1/status").json()["connections"])
-        if seen == want or time.monotonic() > deadline:
-            return seen
-        time.sleep(0.05)
+        return seen == want
+
+    with contextlib.suppress(AssertionError):
+        wait_until(settled, 5, f"{want} connections")
+    return seen
 
 
 def test_reconnect_and_close_free_the_slot(server: LiveServer) -> None:
@@ -72,10 +77,11 @@ def test_breaking_out_of_the_loader_stops_its_receiver(server: LiveServer) -> No
             if i == 2:
                 break
     assert connections(server, 0) == 0
-    deadline = time.monotonic() + 5
-    while any(t.name == "tokenfeed-receive" for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "receiver thread still running"
-        time.sleep(0.05)
+    wait_until(
+        lambda: not any(t.name == "tokenfeed-receive" for t in threading.enumerate()),
+        5,
+        "end of the receiver thread",
+    )
 
 
 def test_an_error_is_raised_once_then_the_loader_is_exhausted(server: LiveServer) -> None:
@@ -106,10 +112,7 @@ def test_hello_storm_cannot_grow_the_job_table(server: LiveServer) -> None:
     finally:
         sock.close(linger=2000)  # bye is one-way: let it leave before the context ends
         ctx.term()
-    deadline = time.monotonic() + 5
-    while len(server.get("/v1/jobs").json()) > 8:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: len(server.get("/v1/jobs").json()) <= 8, 5, "job table at its cap")
     assert server.get("/v1/limits").json()["max_jobs"] == 8
     # and the server still serves a normal client
     options = ClientOptions(deadline=10.0)

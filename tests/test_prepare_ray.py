@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import zstandard
 from tokenfeed.errors import BadRecord, PrepareError
 from tokenfeed_server.prepare import PrepareConfig, PrepareStats, prepare
 from tokenfeed_server.store import list_datasets, open_dataset
+from waiting import wait_until
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenfeed-server[ray]'")
 
@@ -136,14 +136,12 @@ def _pids_reading(path: Path) -> set[int]:
 
 
 def _wait_for_reader(path: Path, exclude: set[int], proc: subprocess.Popen[str]) -> int:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+    def reader() -> int | None:  # polling /proc for the worker that opened the file
         assert proc.poll() is None, proc.communicate()[1]
         readers = _pids_reading(path) - exclude
-        if readers:
-            return readers.pop()
-        time.sleep(0.05)  # polling /proc for the worker that opened the file
-    raise AssertionError(f"no process opened {path}")
+        return readers.pop() if readers else None
+
+    return wait_until(reader, 90, f"process that opened {path}")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="finds the worker through /proc")

@@ -11,7 +11,6 @@ measured on a loaded machine is no fact to assert.
 from __future__ import annotations
 
 import multiprocessing
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
 from tokenfeed.consumed import ConsumedCounter
 from tokenfeed_server.rates import Rate
 from tokenfeed_server.store import write_dataset
+from waiting import wait_until
 
 pytestmark = pytest.mark.network
 
@@ -65,13 +65,12 @@ def wait_for(
     server: LiveServer, seed: int, done: Callable[[dict[str, Any]], bool], timeout: float = 20.0
 ) -> dict[str, Any]:
     """The job once ``done`` holds for it (the snapshot is refreshed twice a second)."""
-    deadline = time.monotonic() + timeout
-    job = job_of(server, seed)
-    while (job is None or not done(job)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+
+    def ready() -> dict[str, Any] | None:
         job = job_of(server, seed)
-    assert job is not None and done(job), job
-    return job
+        return job if job is not None and done(job) else None
+
+    return wait_until(ready, timeout, f"job of seed {seed} in the state asked for")
 
 
 def tolerance(num_workers: int, batches_per_item: int, global_batch: int) -> int:

@@ -34,7 +34,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from tokenfeed_server.store import open_dataset, write_dataset
 from tokenfeed_server.store.manifest import Manifest
 from tokenfeed_server.store.objects import ObjectStore, S3Location
 from tokenfeed_server.store.publish import publish_dataset
+from waiting import wait_until
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -604,10 +604,7 @@ def test_a_server_killed_mid_fetch_restarts_on_its_cache_and_stays_exact(
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll ``condition`` every 5 ms (bounded)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.005)
+    wait_until(condition, timeout, what, interval=0.005)
 
 
 # -- (f) prepare --overwrite while a job reads; gc --------------------------------------
