@@ -17,7 +17,13 @@ import pytest
 
 from tokenfeed_server import config
 from tokenfeed_server.cli import build_parser
-from tokenfeed_server.config import CacheSettings, Limits, PrepareSettings, ServerConfig
+from tokenfeed_server.config import (
+    CacheSettings,
+    Limits,
+    MemorySettings,
+    PrepareSettings,
+    ServerConfig,
+)
 
 CLI = [sys.executable, "-m", "tokenfeed_server.cli"]
 
@@ -215,6 +221,7 @@ def test_every_setting_has_one_flag_and_one_twin() -> None:
         "--cache-dir", "--cache-size", "--remote-scan-interval-s",
         *(f"--{name.replace('_', '-')}" for name in Limits.model_fields),
         *(f"--{name.replace('_', '-')}" for name in CacheSettings.model_fields),
+        *(f"--{name.replace('_', '-')}" for name in MemorySettings.model_fields),
     }  # fmt: skip
     assert {s.env for s in serve} >= {"TOKENFEED_TENANTS_FILE", "TOKENFEED_CURVE_SECRET_KEY_FILE"}
     for model in (ServerConfig, PrepareSettings):

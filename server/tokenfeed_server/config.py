@@ -38,6 +38,7 @@ __all__ = [
     "CacheSettings",
     "Limits",
     "GcSettings",
+    "MemorySettings",
     "PrepareSettings",
     "ServerConfig",
     "Setting",
@@ -202,6 +203,25 @@ class CacheSettings(BaseModel):
         }
 
 
+class MemorySettings(BaseModel):
+    """What the server keeps in memory between requests (see :mod:`~.store.memory`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    row_pool_bytes: Annotated[int, BeforeValidator(_size)] = Field(
+        default=256 << 20, ge=0, description="bytes of row buffers (and views) kept for reuse"
+    )
+    window_blocks_bytes: Annotated[int, BeforeValidator(_size)] = Field(
+        default=16 << 20, ge=0, description="bytes of stream order blocks kept for reuse"
+    )
+    memory_idle_s: float = Field(
+        default=60.0, gt=0, description="free kept buffers and blocks unused this long"
+    )
+    malloc_arenas: int = Field(
+        default=2, ge=0, description="glibc malloc arenas at most (0: glibc's choice)"
+    )
+
+
 class ServerConfig(BaseModel):
     """Everything ``tokenfeed-server serve`` needs; built once at the edge, then read-only."""
 
@@ -229,6 +249,7 @@ class ServerConfig(BaseModel):
         description="seconds between two listings of an s3:// store (new or replaced datasets)",
     )
     cache: CacheSettings = Field(default=CacheSettings())  # frozen: safe to share
+    memory: MemorySettings = Field(default=MemorySettings())  # frozen: safe to share
     host: str = Field(
         default="127.0.0.1",
         min_length=1,

@@ -20,6 +20,9 @@ schedule, block sizes derived per source when the hello leaves them at 0.
 
 from __future__ import annotations
 
+import sys
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,12 +39,21 @@ from tokenfeed_server.store.mixed_gather import MixedGather
 from tokenfeed_server.store.reader import Dataset
 from tokenfeed_server.store.serving import assemble, row_buffers, window_blocks
 
-__all__ = ["MAX_LABEL", "MAX_TABLE_ROWS", "Feed", "Source", "open_feed"]
+__all__ = [
+    "MAX_LABEL",
+    "MAX_TABLE_ROWS",
+    "Feed",
+    "SharedMixtures",
+    "Source",
+    "open_feed",
+    "shared_mixtures",
+]
 
 IntArray = npt.NDArray[np.int64]
 
 #: Most period-table rows one mixture may need (distinct weight vectors' periods summed):
-#: the tables are built on the data plane's thread and kept per job, 16 bytes a row, so a
+#: the tables are built on the data plane's thread and kept while a job reads the mixture
+#: (shared by the jobs of one mixture: :class:`SharedMixtures`), 16 bytes a row, so a
 #: hello cannot make the server spend seconds and gigabytes on one schedule. Four
 #: segments of the largest period fit.
 MAX_TABLE_ROWS = 4 * MAX_PERIOD
@@ -247,6 +259,73 @@ class MixedOrder:
         return which, window_ids, epochs, starts
 
 
+# -- one table per mixture, however many jobs read it --------------------------------------
+
+
+class SharedMixtures:
+    """The mixtures live feeds read, one object per distinct mixture, so that the jobs of
+    one mixture share its period tables (up to :data:`MAX_TABLE_ROWS` rows, 16 bytes
+    each, built on first use by :meth:`Mixture.locate <tokenfeed.mixture.Mixture.locate>`)
+    and the tables are freed with the last feed that reads them.
+
+    A mixture is held while a feed made by :meth:`feed` lives (a weak reference to each
+    feed counts them), whatever drops the feed: the data plane forgetting a job, a
+    hello's throw-away feed for a job that already runs.
+    """
+
+    def __init__(self) -> None:
+        # the shared object and how many live feeds read it, by mixture (equal mixtures
+        # map every position alike: equal names and reduced segments)
+        self._held: dict[Mixture, tuple[Mixture, int]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Distinct mixtures held now."""
+        return len(self._held)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the held mixtures' tables, each counted once (see :func:`table_bytes`)."""
+        return self._bytes
+
+    def feed(self, sources: tuple[Source, ...], mixture: Mixture) -> Feed:
+        """A feed of ``sources`` reading the shared object equal to ``mixture``."""
+        with self._lock:
+            shared, holders = self._held.get(mixture, (mixture, 0))
+            if not holders:
+                self._bytes += table_bytes(mixture)
+            self._held[shared] = (shared, holders + 1)
+        feed = Feed(sources, shared)
+        # at interpreter exit nothing needs releasing (and the lock may be gone)
+        weakref.finalize(feed, self._release, shared).atexit = False
+        return feed
+
+    def _release(self, mixture: Mixture) -> None:
+        with self._lock:
+            shared, holders = self._held[mixture]
+            if holders > 1:
+                self._held[mixture] = (shared, holders - 1)
+                return
+            del self._held[mixture]
+            self._bytes -= table_bytes(mixture)
+
+
+def table_bytes(mixture: Mixture) -> int:
+    """What ``mixture``'s tables hold once built: per distinct weight vector one period
+    of (source, rank) int64 pairs, and a few int64 per segment and source (starts,
+    periods, offsets, weights and rows before each segment, the latter also as Python
+    ints)."""
+    rows = sum(sum(weights) for weights in {w for _, w in mixture.segments})
+    segments, names = len(mixture.segments), len(mixture.names)
+    per_int = sys.getsizeof(1 << 40)  # a Python int of a row count
+    return 16 * rows + segments * (3 * 8 + names * (2 * 8 + per_int))
+
+
+#: The mixtures of every live feed (see :class:`SharedMixtures`).
+shared_mixtures = SharedMixtures()
+
+
 # -- building a feed from a hello ---------------------------------------------------------
 
 
@@ -299,7 +378,9 @@ def open_feed(datasets: Sequence[Dataset], msg: protocol.Hello) -> Feed:
                 raise
             raise PlanError(f"mixture source {name!r}: {exc}") from None
         sources.append(Source(name, ds, plan))
-    return Feed(tuple(sources), mixture)
+    if mixture is None:
+        return Feed(tuple(sources))
+    return shared_mixtures.feed(tuple(sources), mixture)
 
 
 def _plan(ds: Dataset, msg: protocol.Hello, seed: int) -> Plan:

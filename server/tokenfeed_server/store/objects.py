@@ -226,6 +226,8 @@ class ObjectStore:
                 Key=self.location.key(key),
                 Range=f"bytes={start}-{stop - 1}",
             )
+            # read() is one allocation of the whole body (http.client reads into it);
+            # bytes() of a bytes is that same object, no copy: it only pins the type
             data = bytes(resp["Body"].read())
         except Exception as exc:
             raise self._error(exc, "read", key) from exc

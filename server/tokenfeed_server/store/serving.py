@@ -23,28 +23,46 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 
 from tokenfeed.errors import DatasetNotFound, StoreError
-from tokenfeed.plan import INT64_MAX, Plan
+from tokenfeed.plan import Plan
 from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store.format import MANIFEST_NAME
 from tokenfeed_server.store.local import list_datasets, open_dataset
 from tokenfeed_server.store.objects import ObjectStoreError, S3Location
+from tokenfeed_server.store.pools import (
+    DEFAULT_POOL_BYTES,
+    Order,
+    RowBuffers,
+    WindowBlocks,
+    row_buffers,
+    window_blocks,
+)
 from tokenfeed_server.store.reader import Dataset, validate_dataset_name
 from tokenfeed_server.store.remote import list_remote_datasets, open_remote_dataset
 
 if TYPE_CHECKING:
     from tokenfeed_server.store.cache import PieceCache
     from tokenfeed_server.store.objects import ObjectStore
+
+# The pools moved to store.pools (issue 28); their names here still work.
+__all__ = [
+    "DEFAULT_POOL_BYTES",
+    "DEFAULT_SCAN_INTERVAL_S",
+    "Order",
+    "RowBuffers",
+    "Store",
+    "WindowBlocks",
+    "assemble",
+    "row_buffers",
+    "summary",
+    "window_blocks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -304,212 +322,6 @@ def summary(ds: Dataset) -> dict[str, Any]:
         "format_version": m.format_version,
         "created": m.created,
     }
-
-
-#: Bytes RowBuffers keeps pooled at most (16 chunks of the default max_chunk_bytes).
-DEFAULT_POOL_BYTES = 256 * 1024 * 1024
-
-
-class RowBuffers:
-    """Reusable token buffers for the rows the data plane sends.
-
-    Chunks leave with zero-copy sends, so ZeroMQ may still hold a buffer after the send
-    returns. A buffer is lent as a fresh array over pooled memory; every view of it, and
-    ZeroMQ's hold on it, keeps that array alive, so the memory is lent again only once the
-    array is gone (tracked by a weak reference). Reuse spares the page faults of fresh
-    allocations on every chunk, and :meth:`take_rows` the making of one view per row.
-
-    Clients choose the sizes (sequence length, batch, chunk), so pooled memory is bounded:
-    sizes are rounded up to power-of-two classes, at most ``per_size`` buffers are kept
-    per class, and at most ``max_bytes`` in all; the least recently used classes are
-    dropped to make room (a dropped buffer still lent lives on until its array is gone).
-    """
-
-    def __init__(self, per_size: int = 32, max_bytes: int = DEFAULT_POOL_BYTES) -> None:
-        self.per_size = per_size
-        self.max_bytes = max_bytes
-        self._pools: OrderedDict[int, list[_Slot]] = OrderedDict()  # class -> slots, LRU first
-        self._pooled = 0  # bytes held by the pools
-        self._lock = threading.Lock()
-
-    @property
-    def pooled_bytes(self) -> int:
-        """Bytes of the buffers pooled now (never more than ``max_bytes``)."""
-        return self._pooled
-
-    def take_rows(
-        self, shape: tuple[int, int], dtype: np.dtype[Any]
-    ) -> tuple[np.ndarray, list[tuple[memoryview]] | None]:
-        """A C-contiguous array of ``shape`` and ``dtype`` whose content is undefined, and
-        its rows as 1-tuples of memoryviews of its memory (what :meth:`Dataset.gather
-        <tokenfeed_server.store.reader.Dataset.gather>` reads into), made once per pooled
-        buffer and row size; None for a buffer not pooled.
-
-        The views hold the pooled memory, never the lent array, so they do not keep a
-        buffer lent.
-        """
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        row = shape[1] * dtype.itemsize
-        size = _size_class(nbytes)
-        with self._lock:
-            pool = self._pools.get(size)
-            if pool is None:
-                pool = self._pools[size] = []
-            self._pools.move_to_end(size)
-            for slot in pool:
-                if slot.lent() is None:
-                    break
-            else:
-                slot = _Slot(bytearray(size))
-                if len(pool) >= self.per_size or not self._make_room(size):
-                    if not pool:
-                        del self._pools[size]
-                    return np.ndarray(shape, dtype, buffer=slot.memory), None
-                pool.append(slot)
-                self._pooled += size
-            array = np.ndarray(shape, dtype, buffer=slot.memory)
-            slot.lent = weakref.ref(array)
-            if not row:
-                return array, None
-            rows = slot.rows.get(row)
-            if rows is None:
-                if len(slot.rows) >= _ROW_SIZES:
-                    slot.rows.pop(next(iter(slot.rows)))
-                view = memoryview(slot.memory)
-                rows = slot.rows[row] = [
-                    (view[a : a + row],) for a in range(0, size - row + 1, row)
-                ]
-            return array, rows[: shape[0]]
-
-    def _make_room(self, size: int) -> bool:
-        """Drop least recently used classes (never ``size``'s) until ``size`` more bytes fit."""
-        for other in list(self._pools):
-            if self._pooled + size <= self.max_bytes:
-                break
-            if other != size:
-                self._pooled -= other * len(self._pools.pop(other))
-        return self._pooled + size <= self.max_bytes
-
-
-# Row sizes whose views one pooled buffer keeps; the oldest goes first.
-_ROW_SIZES = 4
-
-
-def _size_class(nbytes: int) -> int:
-    """The power of two at or above ``nbytes`` (at least 1)."""
-    return 1 << max(nbytes - 1, 0).bit_length()
-
-
-def _gone() -> None:
-    return None
-
-
-class _Slot:
-    """One pooled buffer: its memory, a weak reference to the array lent over it, and
-    its rows' views by row size."""
-
-    __slots__ = ("lent", "memory", "rows")
-
-    def __init__(self, memory: bytearray) -> None:
-        self.memory = memory
-        self.lent: Callable[[], np.ndarray | None] = _gone
-        self.rows: dict[int, list[tuple[memoryview]]] = {}
-
-
-#: The pool every request's rows are read into (shared by single-dataset and mixed jobs).
-row_buffers = RowBuffers()
-
-
-IntArray = npt.NDArray[np.int64]
-# A block's arrays: a plan's window ids and epochs (or whatever an Order gives).
-_Block = tuple[IntArray, ...]
-
-
-class Order(Protocol):
-    """What :class:`WindowBlocks` caches: a pure function of stream positions to arrays
-    of the same length (a :class:`~tokenfeed.plan.Plan`: window ids and epochs; a
-    mixture's whole order: source, window id, epoch and first token per row)."""
-
-    @property
-    def order_key(self) -> Hashable:
-        """Everything :meth:`windows` depends on: equal keys give equal arrays."""
-        ...
-
-    def windows(self, positions: IntArray) -> tuple[IntArray, ...]:
-        """The arrays for ``positions``."""
-        ...
-
-
-class WindowBlocks:
-    """The window ids of whole blocks of stream positions, computed once and shared.
-
-    :meth:`Plan.windows <tokenfeed.plan.Plan.windows>` costs about as much for the 248
-    rows of a chunk as for 8192 positions (numpy's per-call overhead, and cycle-walking
-    passes until the last of the rows lands), so the server computes windows a block of
-    :attr:`block` consecutive positions at a time and serves the next chunks from it:
-    the same pure function of the position, evaluated in bigger batches, so the order is
-    the plan's to the bit. Blocks are keyed by what the function depends on (the number
-    of windows, the seed, the shuffle mode and sizes: :attr:`Plan.order_key`), so jobs
-    with the same ones share them; the least recently
-    used goes when there are ``max_blocks``. A request whose rows are sparse in the
-    positions they span (one rank of a large world, widely strided workers) is computed
-    directly: a block would then mostly hold rows this server never sends. Any
-    :class:`Order` is cached the same way (a mixture's, see
-    :mod:`tokenfeed_server.store.mixing`).
-    """
-
-    def __init__(self, block: int = 8192, max_blocks: int = 64) -> None:
-        self.block = block
-        self.max_blocks = max_blocks
-        self._blocks: OrderedDict[tuple[Hashable, int], _Block] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        """Blocks held now."""
-        return len(self._blocks)
-
-    def windows(self, order: Order, positions: IntArray) -> tuple[IntArray, ...]:
-        """``order.windows(positions)`` for sorted positions, from cached blocks if dense."""
-        if positions.size == 0:
-            return order.windows(positions)
-        lo, hi = int(positions[0]), int(positions[-1])
-        size = self.block
-        first, last = lo // size, hi // size
-        dense = positions.size * _DENSITY >= hi - lo + 1
-        if not dense or last - first >= self.max_blocks // 2 or (last + 1) * size > INT64_MAX:
-            return order.windows(positions)
-        base = first * size
-        if first == last and hi - lo + 1 == positions.size:
-            # One run of positions (the common case): views of the block, no copies.
-            return tuple(part[lo - base : hi + 1 - base] for part in self._block(order, first))
-        blocks = [self._block(order, b) for b in range(first, last + 1)]
-        index = positions - base
-        if len(blocks) == 1:
-            return tuple(part[index] for part in blocks[0])
-        return tuple(np.concatenate(parts)[index] for parts in zip(*blocks, strict=True))
-
-    def _block(self, order: Order, b: int) -> _Block:
-        key = (order.order_key, b)  # shuffle mode and sizes too: block/global never share
-        with self._lock:
-            block = self._blocks.get(key)
-            if block is not None:
-                self._blocks.move_to_end(key)
-                return block
-        size = self.block
-        block = order.windows(np.arange(b * size, (b + 1) * size, dtype=np.int64))
-        for part in block:
-            part.flags.writeable = False  # shared by every job with this key
-        with self._lock:
-            self._blocks[key] = block
-            while len(self._blocks) > self.max_blocks:
-                self._blocks.popitem(last=False)
-        return block
-
-
-# Rows per position spanned below which a request is computed directly (see WindowBlocks).
-_DENSITY = 16
-#: The window blocks shared by every job (see :class:`WindowBlocks`).
-window_blocks = WindowBlocks()
 
 
 def assemble(
