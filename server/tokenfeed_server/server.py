@@ -28,7 +28,7 @@ from tokenfeed_server.api import ServerState, create_app
 from tokenfeed_server.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane import DataPlane
-from tokenfeed_server.store import Store
+from tokenfeed_server.store import Store, memory
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,14 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     log.info("tokenfeed-server starting: %s", json.dumps(config.public_view()))
     _raise_open_file_limit()
     tenants = security.tenants_for(config)
+    # before any thread starts (the cache's fetch threads): arenas are made per thread
+    memory.limit_malloc_arenas(config.memory.malloc_arenas)
+    memory.configure(
+        row_pool_bytes=config.memory.row_pool_bytes,
+        window_blocks_bytes=config.memory.window_blocks_bytes,
+    )
     with contextlib.ExitStack() as cleanup:
+        cleanup.callback(memory.MemoryKeeper(config.memory.memory_idle_s).start().stop)
         # Undone in reverse on every way out, a failed bind included.
         store = _open_store(config, cleanup)
         cleanup.callback(store.close)

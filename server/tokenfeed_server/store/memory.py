@@ -174,3 +174,33 @@ def trim_malloc() -> bool:
     some was given back. Walks every arena: not for the data plane's hot path."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+class MemoryKeeper:
+    """A daemon thread that calls :func:`release_idle` every ``idle_s / 4`` seconds.
+
+    Its own thread rather than a turn of the data plane's loop: a trim walks the heaps
+    (milliseconds on a big one), which no request should wait behind.
+    """
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s = idle_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenfeed-memory", daemon=True)
+
+    def start(self) -> MemoryKeeper:
+        if self.idle_s > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.05, self.idle_s / 4)):
+            try:
+                release_idle(self.idle_s)
+            except Exception:  # a housekeeping failure must not end the server
+                log.exception("memory housekeeping failed; retrying at the next tick")
