@@ -25,7 +25,7 @@ import numpy as np
 
 from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.protocol import JobSpec
-from tokenfeed_server.auth import token_digest
+from tokenfeed_server.dataplane.auth import token_digest
 from tokenfeed_server.launch import ServerProcess
 from tokenfeed_server.store import TokenizerInfo, write_dataset
 

@@ -34,8 +34,8 @@ import numpy as np
 import psutil
 
 from bench_plan import measure  # the warm-up call also builds the period tables
-from tokenfeed import mixture as mixture_module
 from tokenfeed.mixture import Mixture, source_seed
+from tokenfeed.order.swrr import period_table
 from tokenfeed.plan import Plan
 
 SEED = 1234
@@ -46,7 +46,7 @@ SEQ_LEN = 2048
 
 def table_build_seconds(mix: Mixture) -> float:
     """Time to build ``mix``'s period tables from scratch (once per process and weights)."""
-    mixture_module._period_table.cache_clear()  # tables are shared per weight vector
+    period_table.cache_clear()  # tables are shared per weight vector
     fresh = Mixture.of(mix.to_state())
     t0 = time.perf_counter()
     fresh.locate(np.zeros(1, dtype=np.int64))

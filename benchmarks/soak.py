@@ -66,7 +66,7 @@ def write_local(root: Path, name: str, seed: int, n_docs: int = 800) -> None:
 
 
 def tenants_file(root: Path) -> Path:
-    from tokenfeed_server.auth import token_digest
+    from tokenfeed_server.dataplane.auth import token_digest
 
     lines = [f'admin_token_sha256 = "{token_digest(ADMIN)}"']
     for name, token in TOKENS.items():

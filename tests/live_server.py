@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import zmq
 
-from tokenfeed_server.auth import token_digest
+from tokenfeed_server.dataplane.auth import token_digest
 from tokenfeed_server.launch import ServerProcess
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tokenfeed.errors import ConfigError
-from tokenfeed_server.auth import Tenants, token_digest
+from tokenfeed_server.dataplane.auth import Tenants, token_digest
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-fedcba9876543210xyz"

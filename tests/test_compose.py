@@ -409,7 +409,7 @@ def test_the_dockerfile_install_runs_the_server_without_torch(
     for asset in ("console/console.js", "console/console.css"):
         assert httpx.get(f"{server.http}/{asset}", timeout=10).status_code == 200, asset
     assert "site-packages" in run(
-        [python, "-c", "import tokenfeed_server.console as c; print(c.__file__)"],
+        [python, "-c", "import tokenfeed_server.http.console as c; print(c.__file__)"],
         env=env,
         timeout=30,
     )

@@ -25,7 +25,7 @@ import pytest
 from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
-from tokenfeed_server.console import CONTENT_SECURITY_POLICY
+from tokenfeed_server.http.console import CONTENT_SECURITY_POLICY
 from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 pytestmark = pytest.mark.network

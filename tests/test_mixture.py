@@ -6,41 +6,21 @@ Pure numpy, no network."""
 from __future__ import annotations
 
 import json
-import math
 import pickle
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mixture_schedules import NAMES, schedules
 from tokenfeed.errors import ConfigError, PlanError
 from tokenfeed.mixture import MAX_PERIOD, Mixture, source_seed
-from tokenfeed.plan import INT64_MAX, Plan, worker_steps
+from tokenfeed.plan import Plan, worker_steps
 
 SETTINGS = settings(max_examples=60, deadline=None)
-NAMES = ["web", "code", "math", "books", "wiki", "arxiv"]
-
-
-def reference_swrr(weights: Sequence[int]) -> list[int]:
-    """nginx's smooth weighted round robin, one period, written as plainly as possible."""
-    total = sum(weights)
-    current = [0] * len(weights)
-    picks = []
-    for _ in range(total):
-        best = None
-        for i, w in enumerate(weights):
-            current[i] += w
-            if best is None or current[i] > current[best]:
-                best = i
-        assert best is not None
-        current[best] -= total
-        picks.append(best)
-    assert current == [0] * len(weights)
-    return picks
 
 
 def stream(mix: Mixture, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,28 +28,6 @@ def stream(mix: Mixture, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # --------------------------------------------------------------------------- strategies
-
-weights_st = st.dictionaries(
-    st.sampled_from(NAMES), st.integers(1, 20), min_size=1, max_size=len(NAMES)
-)
-
-
-@st.composite
-def schedules(
-    draw: st.DrawFn, max_segments: int = 4, max_gap: int = 200
-) -> list[tuple[int, dict[str, int]]]:
-    n = draw(st.integers(1, max_segments))
-    gaps = draw(st.lists(st.integers(1, max_gap), min_size=n - 1, max_size=n - 1))
-    starts = [0]
-    for g in gaps:
-        starts.append(starts[-1] + g)
-    return [(s, draw(weights_st)) for s in starts]
-
-
-def reduced(weights: Mapping[str, int]) -> dict[str, int]:
-    g = math.gcd(*weights.values())
-    return {k: v // g for k, v in weights.items()}
-
 
 # --------------------------------------------------------------------------- the period
 
@@ -80,103 +38,7 @@ def test_five_one_one_is_nginx_order() -> None:
     assert pos.tolist() == [0, 1, 0, 2, 0, 3, 4, 5, 6, 1, 7, 1, 8, 9]
 
 
-@SETTINGS
-@given(weights=st.lists(st.integers(1, 40), min_size=1, max_size=8))
-def test_period_is_reference_swrr(weights: list[int]) -> None:
-    mix = Mixture({f"s{i}": w for i, w in enumerate(weights)})
-    g = math.gcd(*weights)
-    w = [x // g for x in weights]
-    src, _ = stream(mix, sum(w))
-    assert src.tolist() == reference_swrr(w)
-
-
-def test_many_sources_use_the_same_order() -> None:
-    # Past a few dozen sources a step is computed with numpy: same rule, same ties.
-    weights = [(i * 7) % 5 + 1 for i in range(70)]
-    mix = Mixture({f"s{i:02d}": w for i, w in enumerate(weights)})
-    src, _ = stream(mix, sum(weights))
-    assert src.tolist() == reference_swrr(weights)
-
-
-@SETTINGS
-@given(schedule=schedules(), periods=st.lists(st.integers(0, 10**12), min_size=1, max_size=3))
-def test_exact_counts_in_every_aligned_period(
-    schedule: list[tuple[int, dict[str, int]]], periods: list[int]
-) -> None:
-    mix = Mixture(schedule)
-    # the last segment is open-ended: check periods far down the stream too
-    for k, (start, weights) in enumerate(schedule):
-        red = reduced(weights)
-        period = sum(red.values())
-        end = schedule[k + 1][0] if k + 1 < len(schedule) else None
-        qs = [0, 1] + (periods if end is None else [])
-        for q in qs:
-            lo = start + q * period
-            if end is not None and lo + period > end:
-                continue
-            src, _ = mix.locate(np.arange(lo, lo + period, dtype=np.int64))
-            got = np.bincount(src, minlength=len(mix.names))
-            want = [red.get(name, 0) for name in mix.names]
-            assert got.tolist() == want
-
-
-@SETTINGS
-@given(weights=st.lists(st.integers(1, 60), min_size=1, max_size=10))
-def test_period_is_spread_smoothly(weights: list[int]) -> None:
-    """In every prefix of k rows of a period: never a whole row ahead of the ideal share
-    ``k*w/W`` (n <= ceil(k*w/W)), and less than m - 1 rows behind it; with two sources
-    within one row either way. Proved in the module docstring."""
-    mix = Mixture({f"s{i}": w for i, w in enumerate(weights)})
-    w = np.array([x // math.gcd(*weights) for x in weights])
-    total, m = int(w.sum()), len(w)
-    src, _ = stream(mix, total)
-    onehot = np.zeros((total, m), dtype=np.int64)
-    onehot[np.arange(total), src] = 1
-    n = np.cumsum(onehot, axis=0)  # n[k-1, s]: rows of s among the first k
-    k = np.arange(1, total + 1)[:, None]
-    # integer forms of n <= ceil(k*w/W) and n > k*w/W - (m - 1)
-    assert np.all(n * total < k * w + total)
-    if m == 1:
-        assert np.all(n == k)
-    else:
-        assert np.all(n * total > k * w - (m - 1) * total)
-    if m == 2:
-        assert np.all(np.abs(n * total - k * w) < total)
-
-
-def test_lag_can_exceed_one_row_with_six_sources() -> None:
-    # Why the lag bound above is m - 1 and not 1: SWRR lets a source fall a little more
-    # than one row behind its share (the module docstring cites this case).
-    w = np.array([1, 1, 1, 1, 7, 7])
-    src, _ = stream(Mixture({f"s{i}": int(x) for i, x in enumerate(w)}), 18)
-    n = np.cumsum(np.eye(6, dtype=np.int64)[src], axis=0)
-    lag = (np.arange(1, 19)[:, None] * w - n * 18).max() / 18
-    assert 1 < lag < 1.1
-
-
-def test_runs_are_broken_up() -> None:
-    # Not in runs: 1:1 alternates, and a 3:1 source never appears 4 times in a row.
-    src, _ = stream(Mixture({"a": 1, "b": 1}), 10)
-    assert src.tolist() == [0, 1] * 5
-    src, _ = stream(Mixture({"a": 3, "b": 1}), 8)
-    assert src.tolist() == [0, 0, 1, 0] * 2
-
-
 # --------------------------------------------------------------------------- source streams
-
-
-@SETTINGS
-@given(schedule=schedules(), n=st.integers(1, 1500))
-def test_source_positions_continue_across_segments(
-    schedule: list[tuple[int, dict[str, int]]], n: int
-) -> None:
-    """Each source's positions are 0, 1, 2, ... over the whole multi-segment stream."""
-    mix = Mixture(schedule)
-    src, pos = stream(mix, n)
-    for s in range(len(mix.names)):
-        mine = pos[src == s]
-        assert mine.tolist() == list(range(len(mine)))
-    assert mix.counts(n) == np.bincount(src, minlength=len(mix.names)).tolist()
 
 
 @SETTINGS
@@ -198,45 +60,6 @@ def test_locate_is_pure_in_any_order_and_shape(
     s3, p3 = mix.locate(two_d)
     assert s3.shape == two_d.shape and p3.shape == two_d.shape
     assert s3.reshape(-1).tolist() == src[two_d.reshape(-1)].tolist()
-
-
-@SETTINGS
-@given(
-    schedule=schedules(max_segments=30, max_gap=40), block=st.integers(1, 300), seed=st.integers()
-)
-def test_block_shapes_take_the_same_order(
-    schedule: list[tuple[int, dict[str, int]]], block: int, seed: int
-) -> None:
-    """Sorted blocks inside one segment, across a few boundaries, across many, and
-    shuffled positions all give the same rows (locate has one path for each)."""
-    mix = Mixture(schedule)
-    n = schedule[-1][0] + 50
-    src, pos = stream(mix, n)
-    for s in range(len(mix.names)):
-        assert pos[src == s].tolist() == list(range(int((src == s).sum())))
-    pieces = [mix.locate(np.arange(a, min(a + block, n))) for a in range(0, n, block)]
-    assert np.concatenate([x[0] for x in pieces]).tolist() == src.tolist()
-    assert np.concatenate([x[1] for x in pieces]).tolist() == pos.tolist()
-    order = np.random.default_rng(seed % 2**32).permutation(n)
-    s2, p2 = mix.locate(order)
-    assert s2.tolist() == src[order].tolist() and p2.tolist() == pos[order].tolist()
-
-
-@SETTINGS
-@given(schedule=schedules(max_gap=10**17), data=st.data())
-def test_far_positions_match_exact_counts(
-    schedule: list[tuple[int, dict[str, int]]], data: st.DataObject
-) -> None:
-    """Up to 2**63 - 1 without overflow: a row's source position equals the exact
-    (Python int) count of earlier rows of its source."""
-    mix = Mixture(schedule)
-    ps = data.draw(st.lists(st.integers(0, INT64_MAX - 1), min_size=1, max_size=8))
-    ps += [INT64_MAX - 1, 2**62, schedule[-1][0]]
-    src, pos = mix.locate(np.array(ps, dtype=np.int64))
-    for p, s, sp in zip(ps, src.tolist(), pos.tolist(), strict=True):
-        assert 0 <= sp <= p
-        assert mix.counts(p)[s] == sp
-        assert mix.counts(p + 1)[s] == sp + 1
 
 
 @SETTINGS
@@ -446,41 +269,6 @@ def test_floats_are_taken_to_four_decimals_and_reduced() -> None:
     assert Mixture({"a": np.float32(0.7), "b": np.int64(3)}).segments == ((0, (7, 30)),)
     assert Mixture({"a": 1e300, "b": 1e300}).segments == ((0, (1, 1)),)
     assert Mixture({"a": MAX_PERIOD - 1, "b": 1}).segments == ((0, (MAX_PERIOD - 1, 1)),)
-
-
-@pytest.mark.parametrize(
-    ("schedule", "match"),
-    [
-        ({"web": True}, "must be a positive int or float, got True"),
-        ({"web": "3"}, "must be a positive int or float"),
-        ({"web": 0}, "must be positive, got 0; leave a source out"),
-        ({"web": -2}, "must be positive"),
-        ({"web": 1, "code": float("nan")}, "positive finite number"),
-        ({"web": float("inf")}, "positive finite number"),
-        ({"web": 1.0, "code": 0.00004}, "is 0 at 4 decimals.*scale all weights"),
-        ({}, "empty; give at least one source"),
-        ({3: 1}, "names must be strings"),
-        ({"": 1}, "invalid source name ''"),
-        ({" web": 1}, "no leading or trailing spaces"),
-        ({"a": MAX_PERIOD, "b": 1}, f"summing to {MAX_PERIOD + 1}, more than {MAX_PERIOD}"),
-        ({"a": 3.1416, "b": 3.7183}, "'a': 3.1416, 'b': 3.7183.*summing to 68599"),
-        ([], "schedule is empty"),
-        ([(5, {"web": 1})], "starts at stream position 0.*add the blend"),
-        ([(0, {"web": 1}), (0, {"code": 1})], "strictly increasing"),
-        ([(0, {"web": 1}), (9, {"code": 1}), (3, {"web": 1})], "strictly increasing"),
-        ([(0, {"web": 1}), (-1, {"code": 1})], "must lie in"),
-        ([(False, {"web": 1})], "start must be an integer"),
-        ([(0, {"web": 1}, 5)], "got 3 items"),
-        ([{"web": 1}], "must be a \\(start position, weights\\) pair"),
-        ([(0, [("web", 1)])], "must be a mapping"),
-        ("web", "a mixture is a mapping"),
-        (7, "a mixture is a mapping"),
-        ([(0, {"web": 1}), (10, {"web": 2**17, "code": 1})], "segment 1 \\(start 10\\)"),
-    ],
-)
-def test_invalid_schedules_say_what_to_do(schedule: object, match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
-        Mixture(schedule)  # type: ignore[arg-type]
 
 
 def test_locate_validates_positions() -> None:

@@ -4,7 +4,7 @@ A real server, real loopback sockets, real DataLoader workers. The trainers coun
 batches they take; ``/v1/jobs`` must never show more than that, lag by at most the request
 window plus the DataLoader's prefetch while the loop runs, and show it exactly once the
 loop pauses (the loader's own report) or ends (the last batches too). The rate is checked
-with a clock of the test's making (:class:`tokenfeed_server.rates.Rate`), since a rate
+with a clock of the test's making (:class:`tokenfeed_server.dataplane.rates.Rate`), since a rate
 measured on a loaded machine is no fact to assert.
 """
 
@@ -24,7 +24,7 @@ from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
 from tokenfeed.consumed import ConsumedCounter
-from tokenfeed_server.rates import Rate
+from tokenfeed_server.dataplane.rates import Rate
 from tokenfeed_server.store import write_dataset
 from waiting import wait_until
 

@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from tokenfeed_server.scheduler import FairQueue, TokenBucket
+from tokenfeed_server.dataplane.scheduler import FairQueue, TokenBucket
 
 
 def run(q: FairQueue[str, int], rounds: int, may_send: bool = True) -> collections.Counter[str]:

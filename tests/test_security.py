@@ -27,7 +27,7 @@ from tokenfeed.errors import (
     RequestRejected,
 )
 from tokenfeed.protocol import JobSpec
-from tokenfeed_server.auth import token_digest
+from tokenfeed_server.dataplane.auth import token_digest
 from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network

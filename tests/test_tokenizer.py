@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers
 
-from tokenfeed_server.tokenizer import BPE_EOS, HFTokenizer, split_text, train_bpe
+from tokenfeed_server.prepare.tokenizer import BPE_EOS, HFTokenizer, split_text, train_bpe
 
 # Every kind of whitespace the pre-tokenizer's \s knows, and some it does not (\x1c is
 # isspace() in Python but not Unicode White_Space), next to letters, digits, marks,
@@ -78,7 +78,7 @@ def test_bpe_training_reads_only_the_first_max_bytes(caplog: pytest.LogCaptureFi
     first = _text(6000, seed=1)
     cap = len(first.encode("utf-8"))
     later = ["zzzq qqzz " * 2000, "xyxyxy " * 2000]  # would create merges of their own
-    with caplog.at_level(logging.INFO, logger="tokenfeed_server.tokenizer"):
+    with caplog.at_level(logging.INFO, logger="tokenfeed_server.prepare.tokenizer"):
         capped = train_bpe([first, *later], 400, max_bytes=cap)
     alone = train_bpe([first], 400, progress=False)
     assert capped.json() == alone.json()

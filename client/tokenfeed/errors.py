@@ -103,9 +103,15 @@ class ServerError(TokenFeedError):
     code: str = "internal"
     _by_code: ClassVar[dict[str, type[ServerError]]] = {}
 
-    def __init__(self, message: str, *, retry: bool = False, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry: bool = False, code: str | None = None, quiet: bool = False
+    ) -> None:
         super().__init__(message)
+        #: the server says asking again may succeed (the client keeps trying)
         self.retry = retry
+        #: an expected refusal (a bad token, a full server): the server logs it at debug,
+        #: not as a problem of its own; no effect on the client
+        self.quiet = quiet
         if code is not None:
             self.code = code
 
@@ -114,10 +120,12 @@ class ServerError(TokenFeedError):
         ServerError._by_code[cls.code] = cls
 
     @staticmethod
-    def from_code(code: str, message: str, *, retry: bool = False) -> ServerError:
+    def from_code(
+        code: str, message: str, *, retry: bool = False, quiet: bool = False
+    ) -> ServerError:
         """The exception for a wire error code: its subclass, else ServerError with that code."""
         cls = ServerError._by_code.get(code, ServerError)
-        return cls(message, retry=retry, code=code)
+        return cls(message, retry=retry, code=code, quiet=quiet)
 
 
 class UnknownDataset(ServerError):

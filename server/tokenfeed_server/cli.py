@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed_server import config as settings
-from tokenfeed_server.admin_cli import add_admin_commands
+from tokenfeed_server.http.admin_cli import add_admin_commands
 
 if TYPE_CHECKING:
     from tokenfeed_server.store.manifest import Manifest
@@ -308,7 +308,7 @@ def _add_keygen(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _run_keygen(args: argparse.Namespace) -> int:
-    from tokenfeed_server.security import keygen
+    from tokenfeed_server.dataplane.security import keygen
 
     try:
         secret, public = keygen(args.directory)

@@ -23,9 +23,9 @@ import uvicorn
 import zmq
 
 from tokenfeed.errors import ConfigError
-from tokenfeed_server import security
+from tokenfeed_server.dataplane import security
 from tokenfeed_server.api import ServerState, create_app
-from tokenfeed_server.auth import Tenants
+from tokenfeed_server.dataplane.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane import DataPlane
 from tokenfeed_server.store import Store, memory

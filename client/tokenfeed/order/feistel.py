@@ -107,7 +107,6 @@ def feistel(x: npt.NDArray[np.uint64], bits: int, keys: list[npt.NDArray[np.uint
     np.bitwise_or(x, b, out=x)
 
 
-
 def permute_checked(
     index: npt.NDArray[np.integer], n: int, seed: int, epoch: int | npt.NDArray[np.integer]
 ) -> IntArray:
@@ -186,3 +185,5 @@ def permute(index: npt.ArrayLike, n: int, seed: int, epoch: int | npt.ArrayLike)
             )
         if ep_arr.size and int(ep_arr.min()) < 0:
             raise PlanError("epoch values must be non-negative")
+        ep = ep_arr
+    return permute_checked(idx, n, seed, ep)

@@ -41,7 +41,7 @@ def vector_round_keys(seed: int, tweaks: U64Array, rounds: int) -> list[U64Array
 @lru_cache(maxsize=16)
 def range_round_keys(seed: int, first: int, count: int, rounds: int) -> list[U64Array]:
     """:func:`vector_round_keys` of tweaks ``[first, first + count)``, cached: the block
-    serials of consecutive calls (see :func:`tokenfeed.order.blocks.block_tables`)."""
+    serials of consecutive calls (see :meth:`tokenfeed.order.blocks.BlockLayout.windows`)."""
     keys = vector_round_keys(seed, np.arange(first, first + count, dtype=np.uint64), rounds)
     for key in keys:
         key.flags.writeable = False

@@ -3,7 +3,7 @@
 Each loop turn (1) drains what has arrived, validating every header and answering
 ``hello`` and ``ping`` at once while queueing ``get`` requests on their job, then (2)
 serves one round of deficit round robin over the jobs with queued requests (see
-:mod:`tokenfeed_server.scheduler`): each job may send up to ``weight x chunk_bytes`` per
+:mod:`tokenfeed_server.dataplane.scheduler`): each job may send up to ``weight x chunk_bytes`` per
 round, so a job with eight workers and deep windows gets the same share as a job with
 one. Serving a request is a pure function of the request (see
 :func:`tokenfeed_server.store.assemble`), so the server holds no cursor and a restarted
@@ -41,11 +41,11 @@ from tokenfeed.errors import (
 )
 from tokenfeed.plan import Plan
 from tokenfeed.protocol import JobSpec
-from tokenfeed_server.auth import Tenants
+from tokenfeed_server.dataplane.auth import Tenants
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.logbudget import LogBudget
-from tokenfeed_server.rates import Rate
-from tokenfeed_server.scheduler import FairQueue, TokenBucket
+from tokenfeed_server.dataplane.rates import Rate
+from tokenfeed_server.dataplane.scheduler import FairQueue, TokenBucket
 from tokenfeed_server.store import Dataset, Store
 from tokenfeed_server.store.cache import NotResident, Waiter
 from tokenfeed_server.store.mixing import Feed, open_feed

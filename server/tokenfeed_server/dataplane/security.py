@@ -15,7 +15,7 @@ from pathlib import Path
 import zmq
 
 from tokenfeed.errors import ConfigError
-from tokenfeed_server.auth import Tenants, ZapHandler
+from tokenfeed_server.dataplane.auth import Tenants, ZapHandler
 from tokenfeed_server.config import ServerConfig
 
 log = logging.getLogger(__name__)

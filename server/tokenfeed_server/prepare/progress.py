@@ -10,7 +10,7 @@ from typing import Any
 
 __all__ = ["Progress"]
 
-log = logging.getLogger("tokenfeed_server.progress")
+log = logging.getLogger("tokenfeed_server.prepare.progress")
 
 _LOG_EVERY_S = 5.0
 

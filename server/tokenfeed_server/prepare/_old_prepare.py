@@ -5,8 +5,8 @@ Two passes, memory bounded by ``PrepareConfig.memory_mb`` and never by the corpu
 1. *Scatter*: documents are read in order and tokenized in chunks, in this process by
    default (``workers > 1``: by a process pool, at most ``2 * workers`` chunks in
    flight). A document longer than a chunk is encoded in pieces (see
-   :meth:`~tokenfeed_server.tokenizer.Tokenizer.encode_batch`). Each document gets the
-   random 64-bit key of its identity (:mod:`tokenfeed_server.doc_order`); its tokens go
+   :meth:`~tokenfeed_server.prepare.tokenizer.Tokenizer.encode_batch`). Each document gets the
+   random 64-bit key of its identity (:mod:`tokenfeed_server.prepare.doc_order`); its tokens go
    to the on-disk bucket named by the key's top bits. Bucket writes are buffered and
    flushed when the buffers reach a quarter of the budget.
 2. *Gather*: buckets are loaded one at a time, their documents sorted by key, and
@@ -20,7 +20,7 @@ A ``bpe:VOCAB`` tokenizer is first trained on the first ``bpe_train_mb`` of the 
 So the output order is "all documents sorted by ``(key, path, record)``": a uniform global
 shuffle that depends only on the seed and the corpus, not on the memory budget, the
 number of workers, how buckets were split, or the engine (``engine="ray"`` runs the same
-steps on a Ray cluster: :mod:`tokenfeed_server.prepare_ray`). The writer and all scratch
+steps on a Ray cluster: :mod:`tokenfeed_server.prepare.ray_engine`). The writer and all scratch
 files live in ``.tmp-`` directories inside the store, removed on any error or interrupt
 (and, after a SIGKILL, by the next run).
 
@@ -55,7 +55,7 @@ from typing import Any, Literal
 import numpy as np
 
 from tokenfeed.errors import DatasetExists, PrepareError, StoreFull
-from tokenfeed_server.corpus import (
+from tokenfeed_server.prepare.corpus import (
     CorpusStats,
     estimate_text_bytes,
     expand_inputs,
@@ -63,8 +63,8 @@ from tokenfeed_server.corpus import (
     iter_records,
     walked,
 )
-from tokenfeed_server.doc_order import CorpusFiles, corpus_files, document_keys
-from tokenfeed_server.progress import Progress
+from tokenfeed_server.prepare.doc_order import CorpusFiles, corpus_files, document_keys
+from tokenfeed_server.prepare.progress import Progress
 from tokenfeed_server.store.format import MANIFEST_NAME
 from tokenfeed_server.store.manifest import Manifest
 from tokenfeed_server.store.objects import ObjectStore, S3Location
@@ -76,7 +76,7 @@ from tokenfeed_server.store.writer import (
     make_temp_dir,
     remove_temp_dir,
 )
-from tokenfeed_server.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, parse_spec, train_bpe
+from tokenfeed_server.prepare.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, parse_spec, train_bpe
 
 __all__ = [
     "PrepareConfig",
@@ -372,7 +372,7 @@ def prepare(config: PrepareConfig, stats: PrepareStats | None = None) -> Manifes
     started = time.perf_counter()
     files = check_and_list_inputs(config)
     if config.engine == "ray":
-        from tokenfeed_server.prepare_ray import prepare_ray
+        from tokenfeed_server.prepare.ray_engine import prepare_ray
 
         manifest = prepare_ray(config, files, stats)
         stats.seconds = time.perf_counter() - started
@@ -463,7 +463,7 @@ def download_inputs(inputs: Sequence[S3Location], into: Path) -> list[Path]:
     """Download ``s3://`` inputs under ``into/BUCKET/KEY``; return the local inputs.
 
     A location with objects below it (``PREFIX/...``) is a directory: the objects a walk
-    of it would take (:func:`~tokenfeed_server.corpus.walked`) are downloaded. Otherwise
+    of it would take (:func:`~tokenfeed_server.prepare.corpus.walked`) are downloaded. Otherwise
     it must be one object, a file. Mirroring the keys keeps every document's path
     relative to the inputs' root, so the order equals a prepare of the same local files.
     """

@@ -25,7 +25,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenfeed.endpoint import FORM, check_endpoint, split_tcp
+from tokenfeed.transport.endpoint import FORM, check_endpoint, split_tcp
 from tokenfeed.errors import ConfigError
 
 __all__ = ["Replicas", "Resolved", "parse_endpoints", "resolve_host"]

@@ -3,7 +3,7 @@
 ZeroMQ refuses a malformed endpoint only inside ``connect``, after the socket exists,
 and a socket left open then makes the context hang at exit. Checking the string first
 turns a typo into a :class:`~tokenfeed.errors.ConfigError` that shows the expected form.
-One endpoint at a time: a caller with several (replicas, :mod:`tokenfeed.replicas`)
+One endpoint at a time: a caller with several (replicas, :mod:`tokenfeed.transport.replicas`)
 checks each.
 """
 

@@ -6,7 +6,7 @@
    tokens (at least two per CPU); ``map_batches`` reads, parses
    and tokenizes each file in chunks bounded by ``--memory-mb`` and yields one row per
    document: its key, file rank, record number and tokens (see
-   :mod:`tokenfeed_server.doc_order`). Bad records and each file's counts are rows too
+   :mod:`tokenfeed_server.prepare.doc_order`). Bad records and each file's counts are rows too
    (*notes*), sorted before every document in input order, so the driver reports the
    same first bad record, the same logged ones and the same counts as the local engine.
 3. Ray Data's distributed sort orders the rows by ``(kind, key, rank, record)``: it
@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 
 from tokenfeed.errors import BadRecord, PrepareError
-from tokenfeed_server.corpus import count_bad, estimate_text_bytes, iter_file_records
-from tokenfeed_server.doc_order import CorpusFiles, corpus_files
+from tokenfeed_server.prepare.corpus import count_bad, estimate_text_bytes, iter_file_records
+from tokenfeed_server.prepare.doc_order import CorpusFiles, corpus_files
 from tokenfeed_server.prepare import (
     PrepareConfig,
     PrepareStats,
@@ -50,10 +50,10 @@ from tokenfeed_server.prepare import (
     empty_corpus_error,
     store_full_as_error,
 )
-from tokenfeed_server.progress import Progress
+from tokenfeed_server.prepare.progress import Progress
 from tokenfeed_server.store.manifest import Manifest
 from tokenfeed_server.store.writer import DatasetWriter, make_temp_dir, remove_temp_dir
-from tokenfeed_server.tokenizer import Tokenizer
+from tokenfeed_server.prepare.tokenizer import Tokenizer
 
 __all__ = ["prepare_ray"]
 

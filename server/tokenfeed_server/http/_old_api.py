@@ -2,7 +2,7 @@
 
 Handlers only read: the data plane publishes a status snapshot twice a second and the
 store answers dataset look-ups; no handler touches a ZeroMQ socket. Every ``/v1``
-answer is a declared model (:mod:`tokenfeed_server.api_models`).
+answer is a declared model (:mod:`tokenfeed_server.http.models`).
 
 Who sees what: health, readiness and limits are open to all. On an authenticated
 server (a tenants file or ``--token``) a tenant sees its own jobs and the datasets its
@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 
 from tokenfeed.errors import DatasetNotFound, InvalidDatasetName, StoreError
 from tokenfeed_server import __version__
-from tokenfeed_server.api_models import (
+from tokenfeed_server.http.models import (
     BrokenDatasetView,
     CacheView,
     ConfigView,
@@ -47,10 +47,10 @@ from tokenfeed_server.api_models import (
     Readiness,
     StatusView,
 )
-from tokenfeed_server.auth import Tenant, Tenants, token_digest
+from tokenfeed_server.dataplane.auth import Tenant, Tenants, token_digest
 from tokenfeed_server.config import ServerConfig
-from tokenfeed_server.console import add_console
-from tokenfeed_server.console.apidocs import add_api_docs
+from tokenfeed_server.http.console import add_console
+from tokenfeed_server.http.console.apidocs import add_api_docs
 from tokenfeed_server.dataplane import DataPlane
 from tokenfeed_server.store import Dataset, Store, summary
 
