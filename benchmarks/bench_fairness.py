@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.protocol import JobSpec
+from tokenfeed.transport.client import ClientOptions, FeedClient, Request
 from tokenfeed_server.dataplane.auth import token_digest
 from tokenfeed_server.launch import ServerProcess
 from tokenfeed_server.store import TokenizerInfo, write_dataset

@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tokenfeed_server.prepare.corpus import iter_documents
 from tokenfeed_server.prepare import PrepareConfig, PrepareStats, demo_corpus_paths, prepare
+from tokenfeed_server.prepare.corpus import iter_documents
 from tokenfeed_server.prepare.tokenizer import train_bpe
 
 

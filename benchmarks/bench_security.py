@@ -2,7 +2,7 @@
 
 Each mode runs its own server process on loopback; the modes run in alternation, several
 rounds, and the table gives the median and min-max of tokens/s with the ratio to the open
-server. The client is the bare :class:`tokenfeed.client.FeedClient` (no torch), so the
+server. The client is the bare :class:`tokenfeed.transport.client.FeedClient` (no torch), so the
 figure is the wire's, not the DataLoader's.
 
     .venv/bin/python benchmarks/bench_security.py            # full run
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.protocol import JobSpec
+from tokenfeed.transport.client import ClientOptions, FeedClient, Request
 from tokenfeed_server.launch import ServerProcess
 from tokenfeed_server.store import TokenizerInfo, write_dataset
 

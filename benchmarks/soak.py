@@ -25,11 +25,11 @@ baseline, zero correctness problems.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,9 +60,19 @@ def write_local(root: Path, name: str, seed: int, n_docs: int = 800) -> None:
     from tokenfeed_server.store import TokenizerInfo, write_dataset
 
     rng = np.random.default_rng(seed)
-    docs = [rng.integers(0, 256, size=int(n), dtype=np.uint16) for n in rng.integers(50, 4000, n_docs)]
+    docs = [
+        rng.integers(0, 256, size=int(n), dtype=np.uint16) for n in rng.integers(50, 4000, n_docs)
+    ]
     tok = TokenizerInfo(kind="byte", vocab_size=257, eos_id=256)
-    write_dataset(root, name, docs, tokenizer=tok, shuffle_seed=seed, shard_tokens=1 << 18, piece_bytes=1 << 16)
+    write_dataset(
+        root,
+        name,
+        docs,
+        tokenizer=tok,
+        shuffle_seed=seed,
+        shard_tokens=1 << 18,
+        piece_bytes=1 << 16,
+    )
 
 
 def tenants_file(root: Path) -> Path:
@@ -70,7 +80,12 @@ def tenants_file(root: Path) -> Path:
 
     lines = [f'admin_token_sha256 = "{token_digest(ADMIN)}"']
     for name, token in TOKENS.items():
-        lines += ["[[tenant]]", f'name = "{name}"', f'token = "{token}"', f"datasets = {list(LOCAL)!r}"]
+        lines += [
+            "[[tenant]]",
+            f'name = "{name}"',
+            f'token = "{token}"',
+            f"datasets = {list(LOCAL)!r}",
+        ]
     path = root / "tenants.toml"
     path.write_text("\n".join(lines).replace("'", '"') + "\n")
     return path
@@ -126,7 +141,9 @@ def child(spec: dict[str, Any]) -> None:
     def make() -> TokenFeedLoader:
         data: Any = spec["dataset"]
         if spec["mixture"]:
-            data = Mixture([(0, {"web": 3, "code": 1}), (64 * spec["batch_size"], {"web": 1, "code": 1})])
+            data = Mixture(
+                [(0, {"web": 3, "code": 1}), (64 * spec["batch_size"], {"web": 1, "code": 1})]
+            )
         ds = TokenFeedDataset(
             spec["endpoint"], data, seq_len=spec["seq_len"], batch_size=spec["batch_size"],
             seed=spec["seed"], rank=0, world_size=1, token=spec["token"], shuffle=spec["shuffle"],
@@ -155,7 +172,7 @@ def _record(seen: dict[tuple[int, int], int], batch: dict[str, Any]) -> None:
     windows = batch["window_ids"].reshape(-1).tolist()
     sources = batch["source"].reshape(-1).tolist() if "source" in batch else [0] * len(windows)
     epochs = batch["epoch"].reshape(-1).tolist()
-    for s, w, e in zip(sources, windows, epochs):
+    for s, w, e in zip(sources, windows, epochs, strict=True):
         key = (s, w * 1000 + e)
         seen[key] = seen.get(key, 0) + 1
 
@@ -183,7 +200,9 @@ class Churn:
             spec = trainer_specs(self.rng, *self.endpoints)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            )
             self.alive.append((proc, spec, time.monotonic()))
             self.started += 1
 
@@ -247,10 +266,8 @@ def dashboard(servers: dict[str, Any], stop: threading.Event) -> None:
         for name, server in servers.items():
             headers = {"Authorization": f"Bearer {ADMIN}"} if name == "local" else {}
             for path in ("/v1/status", "/v1/jobs", "/v1/datasets", "/metrics"):
-                try:
+                with contextlib.suppress(httpx.HTTPError):
                     httpx.get(server.http + path, headers=headers, timeout=5)
-                except httpx.HTTPError:
-                    pass
         stop.wait(0.5)
 
 
@@ -263,7 +280,9 @@ def slope_mb_per_day(points: list[dict[str, Any]]) -> float:
     return float(np.polyfit(t, y, 1)[0] * 86400)
 
 
-def report(name: str, samples: list[dict[str, Any]], after: dict[str, Any], warmup: float) -> dict[str, Any]:
+def report(
+    name: str, samples: list[dict[str, Any]], after: dict[str, Any], warmup: float
+) -> dict[str, Any]:
     steady = samples[int(len(samples) * warmup) :]
     base = steady[0]
     out = {
@@ -279,12 +298,16 @@ def report(name: str, samples: list[dict[str, Any]], after: dict[str, Any], warm
         "memory_baseline": base["memory"],
         "memory_after": after["memory"],
     }
-    print(f"[{name}] slope {out['slope_mb_per_day']} MB/day (target <= 50); RSS baseline "
-          f"{out['rss_baseline_mb']} MB, peak {out['rss_peak_mb']}, after {out['rss_after_mb']} "
-          f"({out['rss_after_ratio']}x, target <= 1.1); fds {out['fds']}, threads "
-          f"{out['threads']}, series {out['series']}, jobs after {out['jobs_after']}")
-    print(f"[{name}] memory by owner, baseline -> after: "
-          + ", ".join(f"{k} {base['memory'].get(k)} -> {v}" for k, v in after["memory"].items()))
+    print(
+        f"[{name}] slope {out['slope_mb_per_day']} MB/day (target <= 50); RSS baseline "
+        f"{out['rss_baseline_mb']} MB, peak {out['rss_peak_mb']}, after {out['rss_after_mb']} "
+        f"({out['rss_after_ratio']}x, target <= 1.1); fds {out['fds']}, threads "
+        f"{out['threads']}, series {out['series']}, jobs after {out['jobs_after']}"
+    )
+    print(
+        f"[{name}] memory by owner, baseline -> after: "
+        + ", ".join(f"{k} {base['memory'].get(k)} -> {v}" for k, v in after["memory"].items())
+    )
     return out
 
 
@@ -335,14 +358,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for server in servers.values():
             server.stop()
         s3.stop()
-    print(f"trainers: {churn.started} started, {churn.clean} clean, {churn.killed} killed, "
-          f"{churn.failed} failed; rows checked {churn.rows}; problems {len(churn.problems)}")
+    print(
+        f"trainers: {churn.started} started, {churn.clean} clean, {churn.killed} killed, "
+        f"{churn.failed} failed; rows checked {churn.rows}; problems {len(churn.problems)}"
+    )
     for problem in churn.problems[:10]:
         print("  problem:", problem)
     result = {
         "minutes": args.minutes,
-        "trainers": {"started": churn.started, "clean": churn.clean, "killed": churn.killed,
-                     "failed": churn.failed, "rows_checked": churn.rows},  # fmt: skip
+        "trainers": {
+            "started": churn.started,
+            "clean": churn.clean,
+            "killed": churn.killed,
+            "failed": churn.failed,
+            "rows_checked": churn.rows,
+        },
         "problems": churn.problems,
         "servers": {n: report(n, samples[n], after[n], args.warmup) for n in servers},
         "samples": samples,

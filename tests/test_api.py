@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from live_server import LiveServer, tenants_toml
 from shard_data import BYTE
-from tokenfeed_server.http.models import ConfigView, LimitsView
 from tokenfeed_server.config import Limits, ServerConfig
+from tokenfeed_server.http.models import ConfigView, LimitsView
 from tokenfeed_server.store import write_dataset
 from waiting import wait_until
 

@@ -20,14 +20,16 @@ def imported_after(code: str) -> set[str]:
 
 
 def test_import_tokenfeed_is_light() -> None:
-    mods = imported_after("import tokenfeed, tokenfeed.client, tokenfeed.plan, tokenfeed.dtypes")
+    mods = imported_after(
+        "import tokenfeed, tokenfeed.transport.client, tokenfeed.plan, tokenfeed.dtypes"
+    )
     assert "torch" not in mods
     assert not {"fastapi", "uvicorn", "starlette"} & mods
 
 
 @pytest.mark.parametrize(
     "module",
-    ["cli", "server", "api", "dataplane", "store", "prepare", "config"],
+    ["cli", "server", "http.app", "dataplane.plane", "store", "prepare", "config"],
 )
 def test_server_never_imports_torch(module: str) -> None:
     mods = imported_after(f"import tokenfeed_server.{module}")

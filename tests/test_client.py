@@ -25,9 +25,7 @@ import zmq
 
 from live_server import LiveServer
 from shard_data import BYTE
-from tokenfeed import TokenFeedDataset, protocol
-from tokenfeed.client import ClientOptions, FeedClient
-from tokenfeed.endpoint import check_endpoint
+from tokenfeed import TokenFeedDataset, errors, protocol
 from tokenfeed.errors import (
     ConfigError,
     ConnectionLimit,
@@ -35,10 +33,13 @@ from tokenfeed.errors import (
     ProtocolError,
     ServerError,
     ServerUnavailable,
+    StorageUnavailable,
     UnknownDataset,
 )
 from tokenfeed.protocol import JobSpec
-from tokenfeed.retry import Backoff
+from tokenfeed.transport.client import ClientOptions, FeedClient, Request
+from tokenfeed.transport.endpoint import check_endpoint
+from tokenfeed.transport.retry import Backoff
 from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network
@@ -102,8 +103,8 @@ def test_a_failed_connect_leaves_no_socket_to_hang_the_process() -> None:
     # itself through a resolver that returns an address libzmq refuses.
     code = textwrap.dedent(
         """
-        from tokenfeed import replicas
-        from tokenfeed.client import FeedClient
+        from tokenfeed.transport import replicas
+        from tokenfeed.transport.client import FeedClient
         from tokenfeed.errors import ConfigError
         from tokenfeed.protocol import JobSpec
         job = JobSpec("alpha", 16, 2, 0, 1)
@@ -169,6 +170,27 @@ def test_codes_with_a_subclass_get_it_and_others_the_base() -> None:
     unknown_job = ServerError.from_code("unknown_job", "m")
     assert type(unknown_job) is ServerError and unknown_job.code == "unknown_job"
     assert ServerError("bug").code == "internal"  # a plain error stays "internal"
+
+
+# The codes the errors module documents as having no subclass of their own.
+PLAIN_CODES = {"unknown_job", "overloaded", "internal"}
+
+
+@pytest.mark.parametrize("code", sorted(protocol.ERROR_CODES))
+def test_from_code_is_the_one_table_from_wire_codes_to_exceptions(code: str) -> None:
+    err = ServerError.from_code(code, "m", quiet=True)
+    assert err.quiet and not err.retry
+    if code in PLAIN_CODES:
+        assert type(err) is ServerError
+    else:
+        assert type(err) is not ServerError and type(err).code == code
+
+
+def test_every_server_error_class_has_a_wire_code() -> None:
+    classes = [c for c in vars(errors).values() if isinstance(c, type)]
+    subclasses = [c for c in classes if issubclass(c, ServerError) and c is not ServerError]
+    assert {c.code for c in subclasses} == protocol.ERROR_CODES - PLAIN_CODES
+    assert not ServerError("m").quiet  # quiet is the server's business, off by default
 
 
 # -- retry storm (issue 11 item 5) --------------------------------------------------------
@@ -297,6 +319,65 @@ def test_another_build_than_expected_is_refused_client_side(
     ):
         client.hello()
     assert fields["fingerprint"] in str(info.value) and "drop the loader state" in str(info.value)
+
+
+def storage_server(refusals: int, *, retry: bool) -> tuple[str, threading.Event, list[int]]:
+    """A fake server whose first ``refusals`` gets are answered storage_unavailable."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    welcome = protocol.Welcome("fake", "j1", "f" * 32, 10_000, 100, "uint16", 4, 8, 256)
+    stop = threading.Event()
+    refused: list[int] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            ident, header = router.recv_multipart()
+            msg = protocol.decode_header(header)
+            if isinstance(msg, protocol.Hello):
+                router.send_multipart([ident, welcome.header()])
+            elif isinstance(msg, protocol.Get) and len(refused) < refusals:
+                refused.append(msg.req)
+                err = protocol.Err("storage_unavailable", "bucket slow", retry, msg.req)
+                router.send_multipart([ident, err.header()])
+            elif isinstance(msg, protocol.Get):
+                rows = msg.count * JOB.batch_size
+                tokens = np.full((rows, JOB.seq_len + 1), msg.pos, dtype=np.uint16)
+                ids = np.arange(rows)
+                frames = protocol.chunk_frames(msg.req, tokens, {"window": ids, "epoch": ids * 0})
+                router.send_multipart([ident, *frames])
+        router.close(linger=0)
+        ctx.term()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"tcp://127.0.0.1:{port}", stop, refused
+
+
+def test_storage_unavailable_with_retry_keeps_the_stream_going() -> None:
+    endpoint, stop, refused = storage_server(3, retry=True)
+    options = ClientOptions(deadline=20.0, request_timeout=2.0)
+    try:
+        with FeedClient(endpoint, JOB, rank=0, worker=0, options=options) as client:
+            answers = list(client.stream([Request(pos=0, count=1), Request(pos=2, count=1)]))
+    finally:
+        stop.set()
+    assert len(refused) == 3
+    assert [int(a.tokens[0, 0]) for a in answers] == [0, 2]
+
+
+def test_storage_unavailable_without_retry_ends_the_stream() -> None:
+    endpoint, stop, _ = storage_server(1, retry=False)
+    try:
+        with (
+            FeedClient(endpoint, JOB, rank=0, worker=0) as client,
+            pytest.raises(StorageUnavailable, match="bucket slow"),
+        ):
+            list(client.stream([Request(pos=0, count=1)]))
+    finally:
+        stop.set()
 
 
 # -- a failed loader leaves nothing behind (issue 11 item 13) -----------------------------

@@ -1,7 +1,7 @@
 """The client's socket-free core: the request window, request splitting, backoff.
 
 No server and no socket: :class:`~tokenfeed.window.RequestWindow` is driven by hand the
-way :class:`~tokenfeed.client.FeedClient` drives it, and its promises are checked
+way :class:`~tokenfeed.transport.client.FeedClient` drives it, and its promises are checked
 directly (order, the window bound, exactly-once across reconnects, cuts at the limit).
 """
 
@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from tokenfeed.retry import Backoff
+from tokenfeed.transport.retry import Backoff
 from tokenfeed.window import Request, RequestWindow, pack_requests, split_request
 
 G = 6  # global batch: world_size * batch_size

@@ -13,9 +13,9 @@ import zmq
 from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
-from tokenfeed.client import ClientOptions, FeedClient
 from tokenfeed.errors import UnknownDataset
 from tokenfeed.protocol import JobSpec
+from tokenfeed.transport.client import ClientOptions, FeedClient
 from tokenfeed_server.store import write_dataset
 from waiting import wait_until
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
-from tokenfeed.device import stage
+from tokenfeed.training.device import stage
 
 
 def batches(n: int) -> list[dict[str, torch.Tensor]]:

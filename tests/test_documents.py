@@ -10,7 +10,7 @@ import pytest
 from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
-from tokenfeed.documents import document_fields
+from tokenfeed.training.documents import document_fields
 from tokenfeed_server.store import open_dataset, write_dataset
 
 EOS = 9

@@ -18,9 +18,9 @@ import pytest
 
 from live_server import LiveServer
 from shard_data import BYTE
-from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.errors import AuthenticationFailed, ServerUnavailable
 from tokenfeed.protocol import JobSpec
+from tokenfeed.transport.client import ClientOptions, FeedClient, Request
 from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network

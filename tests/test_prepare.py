@@ -20,17 +20,11 @@ import zstandard
 
 from tokenfeed.errors import BadRecord, DatasetExists, DatasetNotFound, PrepareError
 from tokenfeed.plan import splitmix64
-from tokenfeed_server.prepare.doc_order import path_hash
-from tokenfeed_server.prepare import (
-    PrepareConfig,
-    PrepareStats,
-    demo_corpus_paths,
-    document_keys,
-    prepare,
-)
+from tokenfeed_server.prepare import PrepareConfig, PrepareStats, demo_corpus_paths, prepare
+from tokenfeed_server.prepare.doc_order import document_keys, path_hash
+from tokenfeed_server.prepare.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from tokenfeed_server.store import Dataset, list_datasets, open_dataset
 from tokenfeed_server.store.format import TEMP_PREFIX
-from tokenfeed_server.prepare.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 CLI = [sys.executable, "-m", "tokenfeed_server.cli"]
 

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
-from tokenfeed.consumed import ConsumedCounter
+from tokenfeed.training.consumed import ConsumedCounter
 from tokenfeed_server.dataplane.rates import Rate
 from tokenfeed_server.store import write_dataset
 from waiting import wait_until

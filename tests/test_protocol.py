@@ -11,6 +11,8 @@ import pytest
 
 from tokenfeed import protocol
 from tokenfeed.errors import ProtocolError
+from tokenfeed.protocol import messages
+from tokenfeed.protocol.bounds import depth
 
 HELLO = protocol.Hello("alpha", 128, 8, 0, 1, 0, 0, window=4, client="c")
 EVERY = [
@@ -162,9 +164,9 @@ def test_nesting_is_bounded() -> None:
     with pytest.raises(ProtocolError, match="must be a string"):
         protocol.decode_header(packed({**raw, "client": [[[["x"]]]]}))
     assert protocol.MAX_DEPTH >= 1
-    for hints in protocol._HINTS.values():  # every declared field type is within the bound
+    for hints in messages.HINTS.values():  # every declared field type is within the bound
         for hint in hints.values():
-            assert protocol._depth(hint) <= protocol.MAX_DEPTH
+            assert depth(hint) <= protocol.MAX_DEPTH
 
 
 @pytest.mark.parametrize(

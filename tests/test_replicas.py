@@ -22,11 +22,12 @@ import torch
 
 from live_server import LiveServer
 from shard_data import BYTE
-from tokenfeed import TokenFeedDataset, TokenFeedLoader, replicas
-from tokenfeed.client import ClientOptions, FeedClient
+from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed.errors import ConfigError, DatasetChanged, ServerUnavailable
 from tokenfeed.protocol import JobSpec
-from tokenfeed.replicas import Replicas, parse_endpoints
+from tokenfeed.transport import replicas
+from tokenfeed.transport.client import ClientOptions, FeedClient
+from tokenfeed.transport.replicas import Replicas, parse_endpoints
 from tokenfeed_server.store import write_dataset
 
 pytestmark = pytest.mark.network

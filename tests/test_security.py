@@ -19,7 +19,6 @@ import pytest
 from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, protocol
-from tokenfeed.client import ClientOptions, FeedClient, Request
 from tokenfeed.errors import (
     AuthenticationFailed,
     ConnectionLimit,
@@ -27,6 +26,7 @@ from tokenfeed.errors import (
     RequestRejected,
 )
 from tokenfeed.protocol import JobSpec
+from tokenfeed.transport.client import ClientOptions, FeedClient, Request
 from tokenfeed_server.dataplane.auth import token_digest
 from tokenfeed_server.store import write_dataset
 
@@ -270,7 +270,7 @@ def test_limits_are_enforced_and_reported(store: Path, logs: Path) -> None:
         job = JobSpec("alpha", 128, 4, 0, 1)
         with FeedClient(srv.zmq, job, rank=0, worker=0, options=ClientOptions(window=8)) as c:
             assert c.hello().window == 2  # the window is negotiated down to the limit
-            sock = c._sock
+            sock = c.connection.sock
             assert sock is not None
 
             def reply() -> protocol.Message:

@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader, protocol
-from tokenfeed.client import FeedClient
 from tokenfeed.errors import ProtocolError, RequestRejected, ServerUnavailable, UnknownDataset
 from tokenfeed.plan import Plan
 from tokenfeed.protocol import JobSpec
+from tokenfeed.transport.client import FeedClient
 from tokenfeed_server.store import TokenizerInfo, open_dataset, write_dataset
 
 pytestmark = pytest.mark.network

@@ -4,6 +4,12 @@
 (:class:`TokenFeedDataset`, :class:`TokenFeedLoader`) are imported on first use, so a
 server or a tool that never touches torch never pays for it. :class:`Mixture` (a blend of
 datasets by weight, and its schedule) never needs torch.
+
+Layout: :mod:`tokenfeed.protocol` is the wire (shared with the server),
+:mod:`tokenfeed.transport` the client's ZeroMQ side, :mod:`tokenfeed.training` the torch
+face (``tokenfeed.dataset`` and ``tokenfeed.loader`` are its documented import paths),
+:mod:`tokenfeed.plan`, :mod:`tokenfeed.mixture` and :mod:`tokenfeed.order` the order of
+the stream, :mod:`tokenfeed.errors` the one exception tree.
 """
 
 from __future__ import annotations
@@ -25,15 +31,15 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tokenfeed.dataset import TokenFeedDataset
-    from tokenfeed.loader import TokenFeedLoader
     from tokenfeed.mixture import Mixture
     from tokenfeed.tokenizer import fetch_tokenizer
+    from tokenfeed.training.dataset import TokenFeedDataset
+    from tokenfeed.training.loader import TokenFeedLoader
 
 _LAZY = {
     "Mixture": "tokenfeed.mixture",
-    "TokenFeedDataset": "tokenfeed.dataset",
-    "TokenFeedLoader": "tokenfeed.loader",
+    "TokenFeedDataset": "tokenfeed.training.dataset",
+    "TokenFeedLoader": "tokenfeed.training.loader",
     "fetch_tokenizer": "tokenfeed.tokenizer",
 }
 

@@ -23,11 +23,12 @@ import uvicorn
 import zmq
 
 from tokenfeed.errors import ConfigError
-from tokenfeed_server.dataplane import security
-from tokenfeed_server.api import ServerState, create_app
-from tokenfeed_server.dataplane.auth import Tenants
 from tokenfeed_server.config import ServerConfig
-from tokenfeed_server.dataplane import DataPlane
+from tokenfeed_server.dataplane import security
+from tokenfeed_server.dataplane.auth import Tenants
+from tokenfeed_server.dataplane.plane import DataPlane
+from tokenfeed_server.http.app import create_app
+from tokenfeed_server.http.state import ServerState
 from tokenfeed_server.store import Store, memory
 
 log = logging.getLogger(__name__)

@@ -138,6 +138,13 @@ Evolution
 Decoding is strict: a header that is not a map, has the wrong version, misses a
 required field, has an unknown one, or a value of the wrong type or out of bounds raises
 :class:`~tokenfeed.errors.ProtocolError` with a message fit for an ``err`` reply.
+
+Modules
+-------
+Everything above is importable from here; the code lives in :mod:`.constants` (version,
+row names, error codes), :mod:`.bounds` (sizes and the value check), :mod:`.messages`
+(the types and their encoding), :mod:`.codec` (decoding a header), :mod:`.chunks` (the
+token and provenance frames) and :mod:`.curve` (CURVE keys from a token).
 """
 
 from __future__ import annotations

@@ -56,7 +56,6 @@ def check_value(where: str, value: object, hint: object) -> Any:
     return {k: check_value(f"{where}[{k!r}]", v, args[1]) for k, v in value.items()}
 
 
-
 def depth(hint: object) -> int:
     """How deeply a field type nests (a scalar is 0); refuses types with no wire check."""
     if hint in (int, str, bool):
@@ -67,4 +66,3 @@ def depth(hint: object) -> int:
     if origin is dict and len(args) == 2 and args[0] is str:
         return 1 + depth(args[1])
     raise TypeError(f"no wire encoding for field type {hint!r}")
-

@@ -61,4 +61,3 @@ def decode_header(frame: bytes | memoryview) -> Message:
     msg = cls(**obj)
     msg.check()
     return msg
-

@@ -40,4 +40,3 @@ ERROR_CODES = frozenset(
         "object_damaged",  # an object fails its checksum after a refetch
     }
 )
-

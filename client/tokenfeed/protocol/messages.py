@@ -282,7 +282,6 @@ def _tuples(msg: Message, *names: str) -> None:
         object.__setattr__(msg, name, tuple(getattr(msg, name)))
 
 
-
 # The tables both directions work from, made once from the dataclasses above.
 #: marks a field without a default in :data:`DEFAULTS`
 REQUIRED = object()
@@ -309,9 +308,7 @@ HINTS: dict[type[Message], dict[str, Any]] = {
 }
 
 
-
 for _cls, _hints in HINTS.items():  # a message type the decoder cannot bound is a bug
     for _name, _hint in _hints.items():
         if depth(_hint) > MAX_DEPTH:
             raise TypeError(f"{_cls.TYPE}.{_name} nests deeper than MAX_DEPTH={MAX_DEPTH}")
-

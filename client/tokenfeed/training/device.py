@@ -16,7 +16,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-Batch = dict[str, torch.Tensor]
+from tokenfeed.training.batches import Batch
+
+__all__ = ["stage"]
 
 
 def stage(batches: Iterable[Batch], device: torch.device, depth: int = 2) -> Iterator[Batch]:

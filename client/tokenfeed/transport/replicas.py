@@ -25,8 +25,8 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenfeed.transport.endpoint import FORM, check_endpoint, split_tcp
 from tokenfeed.errors import ConfigError
+from tokenfeed.transport.endpoint import FORM, check_endpoint, split_tcp
 
 __all__ = ["Replicas", "Resolved", "parse_endpoints", "resolve_host"]
 

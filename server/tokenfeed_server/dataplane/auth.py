@@ -11,7 +11,7 @@ presented token, and every stored digest is compared with :func:`hmac.compare_di
 so the time taken does not depend on which tenant matched or on how many bytes agreed.
 
 With CURVE, the client's key pair is derived from its token (see
-:func:`tokenfeed.client.curve_keypair_from_token`), so the same token identifies the
+:func:`tokenfeed.protocol.curve_keypair_from_token`), so the same token identifies the
 tenant: the server only needs the public key that each token implies.
 
 Tenants file (TOML), read against one strict schema (:class:`TenantsFile`): an unknown
@@ -46,8 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import ErrorDetails
 from zmq.utils import z85
 
-from tokenfeed.client import curve_keypair_from_token
 from tokenfeed.errors import ConfigError, DatasetForbidden, ServerError
+from tokenfeed.protocol import curve_keypair_from_token
 from tokenfeed_server.logbudget import LogBudget
 
 if sys.version_info >= (3, 11):

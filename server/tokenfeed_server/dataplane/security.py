@@ -15,8 +15,8 @@ from pathlib import Path
 import zmq
 
 from tokenfeed.errors import ConfigError
-from tokenfeed_server.dataplane.auth import Tenants, ZapHandler
 from tokenfeed_server.config import ServerConfig
+from tokenfeed_server.dataplane.auth import Tenants, ZapHandler
 
 log = logging.getLogger(__name__)
 

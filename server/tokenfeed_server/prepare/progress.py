@@ -10,7 +10,7 @@ from typing import Any
 
 __all__ = ["Progress"]
 
-log = logging.getLogger("tokenfeed_server.prepare.progress")
+log = logging.getLogger(__name__)
 
 _LOG_EVERY_S = 5.0
 

@@ -38,11 +38,11 @@ import numpy as np
 import pyarrow as pa
 
 from tokenfeed.errors import BadRecord, PrepareError
+from tokenfeed_server.prepare.config import PrepareConfig, PrepareStats
 from tokenfeed_server.prepare.corpus import count_bad, estimate_text_bytes, iter_file_records
 from tokenfeed_server.prepare.doc_order import CorpusFiles, corpus_files
-from tokenfeed_server.prepare import (
-    PrepareConfig,
-    PrepareStats,
+from tokenfeed_server.prepare.progress import Progress
+from tokenfeed_server.prepare.steps import (
     build_tokenizer,
     chunk_ids,
     chunk_sizes,
@@ -50,10 +50,9 @@ from tokenfeed_server.prepare import (
     empty_corpus_error,
     store_full_as_error,
 )
-from tokenfeed_server.prepare.progress import Progress
+from tokenfeed_server.prepare.tokenizer import Tokenizer
 from tokenfeed_server.store.manifest import Manifest
 from tokenfeed_server.store.writer import DatasetWriter, make_temp_dir, remove_temp_dir
-from tokenfeed_server.prepare.tokenizer import Tokenizer
 
 __all__ = ["prepare_ray"]
 

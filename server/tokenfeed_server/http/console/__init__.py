@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI, HTTPException
+from fastapi import APIRouter, HTTPException
 from fastapi.responses import Response
 
-__all__ = ["CONTENT_SECURITY_POLICY", "add_console", "asset"]
+__all__ = ["CONTENT_SECURITY_POLICY", "asset", "router"]
 
 #: Only the server's own files; no inline script or style, no framing, no plugins.
 CONTENT_SECURITY_POLICY = (
@@ -37,8 +37,8 @@ def asset(name: str) -> bytes:
     return resources.files(__name__).joinpath("static").joinpath(name).read_bytes()
 
 
-def add_console(app: FastAPI) -> None:
-    """Serve the page at ``/`` and its script and style under ``/console/``."""
+def router() -> APIRouter:
+    """The page at ``/`` and its script and style under ``/console/``."""
     # Read once: the files are part of the installed package and do not change under it.
     files = {name: asset(name) for name in _ASSETS}
     headers = {
@@ -49,12 +49,16 @@ def add_console(app: FastAPI) -> None:
         "Cache-Control": "no-cache",
     }
 
-    @app.get("/", include_in_schema=False)
+    routes = APIRouter(include_in_schema=False)
+
+    @routes.get("/")
     def console_page() -> Response:
         return Response(files["index.html"], media_type=_ASSETS["index.html"], headers=headers)
 
-    @app.get("/console/{name}", include_in_schema=False)
+    @routes.get("/console/{name}")
     def console_asset(name: str) -> Response:
         if name == "index.html" or name not in files:
             raise HTTPException(404, f"no console file {name!r}")
         return Response(files[name], media_type=_ASSETS[name], headers=headers)
+
+    return routes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI, HTTPException
+from fastapi import APIRouter, HTTPException
 from fastapi.openapi.docs import (
     get_redoc_html,
     get_swagger_ui_html,
@@ -19,7 +19,7 @@ from fastapi.openapi.docs import (
 )
 from fastapi.responses import HTMLResponse, Response
 
-__all__ = ["ASSETS_PATH", "DOCS_CONTENT_SECURITY_POLICY", "add_api_docs"]
+__all__ = ["ASSETS_PATH", "DOCS_CONTENT_SECURITY_POLICY", "router"]
 
 #: Where the vendored assets are served.
 ASSETS_PATH = "/docs/assets"
@@ -45,14 +45,14 @@ def _read(name: str) -> bytes:
     return resources.files("fastapi_offline").joinpath("static").joinpath(name).read_bytes()
 
 
-def add_api_docs(app: FastAPI) -> None:
-    """Add ``/docs``, ``/redoc`` and their assets to ``app`` (built with both URLs None)."""
+def router(*, openapi_url: str, title: str) -> APIRouter:
+    """``/docs``, ``/redoc`` and their assets, for an app built with both URLs None whose
+    schema is at ``openapi_url``."""
     files = {name: _read(name) for name in _ASSETS}  # about 3 MB, read once
-    openapi_url = app.openapi_url or "/openapi.json"
-    title = app.title
     redirect_url = "/docs/oauth2-redirect"
+    routes = APIRouter(include_in_schema=False)
 
-    @app.get("/docs", include_in_schema=False)
+    @routes.get("/docs")
     def swagger_ui() -> HTMLResponse:
         return _guarded(
             get_swagger_ui_html(
@@ -67,11 +67,11 @@ def add_api_docs(app: FastAPI) -> None:
             )
         )
 
-    @app.get(redirect_url, include_in_schema=False)
+    @routes.get(redirect_url)
     def swagger_ui_redirect() -> HTMLResponse:
         return get_swagger_ui_oauth2_redirect_html()
 
-    @app.get("/redoc", include_in_schema=False)
+    @routes.get("/redoc")
     def redoc() -> HTMLResponse:
         return _guarded(
             get_redoc_html(
@@ -83,7 +83,7 @@ def add_api_docs(app: FastAPI) -> None:
             )
         )
 
-    @app.get(ASSETS_PATH + "/{name}", include_in_schema=False)
+    @routes.get(ASSETS_PATH + "/{name}")
     def docs_asset(name: str) -> Response:
         if name not in files:
             raise HTTPException(404, f"no docs asset {name!r}")
@@ -92,6 +92,8 @@ def add_api_docs(app: FastAPI) -> None:
             media_type=_ASSETS[name],
             headers={"Cache-Control": "public, max-age=86400"},
         )
+
+    return routes
 
 
 def _guarded(page: HTMLResponse) -> HTMLResponse:

@@ -1,0 +1,34 @@
+"""The settings of a client connection: window, chunk size, timeouts, credentials."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenfeed.errors import ConfigError
+
+__all__ = ["ClientOptions"]
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """Timeouts, window and credentials of a client; one object, passed down."""
+
+    window: int = 4
+    #: ask for chunks of about this size (the server may cap it lower)
+    chunk_bytes: int = 1 << 20
+    request_timeout: float = 10.0
+    deadline: float = 120.0
+    #: log a warning after this many seconds without an answer (then keep trying)
+    warn_after: float = 5.0
+    token: str | None = field(default=None, repr=False)  # a secret: never in a repr or log
+    server_public_key: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("window", 1), ("chunk_bytes", 1)):
+            value = getattr(self, name)
+            if type(value) is not int or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("request_timeout", "deadline", "warn_after"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")

@@ -1,0 +1,77 @@
+"""The status snapshot the loop publishes for the HTTP side (``/v1/jobs``, ``/v1/status``,
+``/metrics``): plain dicts, rebuilt twice a second, so no handler reads the loop's tables."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+from tokenfeed_server.dataplane.jobs import Job
+from tokenfeed_server.dataplane.registry import Registry
+
+__all__ = ["EMPTY_SNAPSHOT", "make_snapshot"]
+
+#: what the HTTP side reads before the loop's first snapshot
+EMPTY_SNAPSHOT: dict[str, Any] = {"jobs": [], "connections": 0, "counters": {}}
+
+
+def make_snapshot(
+    registry: Registry,
+    now: float,
+    *,
+    server: str,
+    endpoint: str,
+    counters: collections.Counter[str],
+) -> dict[str, Any]:
+    """Every job's view, the connection count and the loop's counters at ``now``."""
+    # Workers, not connections: the loader's short progress reports and its hello before
+    # starting workers come as (rank, worker 0) too, and are no extra worker.
+    workers = {(p.job, p.rank, p.worker) for p in registry.peers.values()}
+    per_job = collections.Counter(jid for jid, _, _ in workers)
+    jobs = [
+        _job_view(job, now, workers=per_job[job.id], queued=registry.queue.queued(job.id))
+        for job in registry.jobs.values()
+    ]
+    return {
+        "server": server,
+        "endpoint": endpoint,
+        "jobs": jobs,
+        "connections": len(registry.peers),
+        "counters": dict(counters),
+    }
+
+
+def _job_view(job: Job, now: float, *, workers: int, queued: int) -> dict[str, Any]:
+    """One job as ``/v1/jobs`` shows it (a :class:`~tokenfeed_server.http.models.JobView`)."""
+    windows = job.feed.n_windows
+    served_rate = job.served_rate.sample(now, job.tokens)
+    consumed_rate = 0.0
+    if job.consumed >= 0:
+        # Tokens the model reads: seq_len per window (the +1 is the last label).
+        consumed_rate = job.consumed_rate.sample(now, job.consumed * job.spec.seq_len)
+    return {
+        "id": job.id,
+        "tenant": job.tenant,
+        "dataset": job.feed.label,
+        "seq_len": job.spec.seq_len,
+        "batch_size": job.spec.batch_size,
+        "seed": job.spec.seed,
+        "world_size": job.spec.world_size,
+        "weight": job.weight,
+        "workers": workers,
+        "requests": job.requests,
+        "batches_served": job.batches,
+        "tokens_served": job.tokens,
+        "tokens_per_s": round(served_rate, 1),
+        "position": job.position,
+        "epoch": job.position // windows,
+        "consumed_position": job.consumed if job.consumed >= 0 else None,
+        "consumed_epoch": job.consumed // windows if job.consumed >= 0 else None,
+        "consumed_tokens_per_s": round(consumed_rate, 1),
+        "epoch_windows": windows,
+        "idle_s": round(max(0.0, now - job.last_active), 1),
+        "retransmits": job.retransmits,
+        "queued": queued,
+        "created": job.created,
+        **job.feed.describe(job.position, job.consumed),
+    }

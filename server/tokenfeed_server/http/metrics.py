@@ -1,0 +1,133 @@
+"""Prometheus metrics, read from the data plane's snapshot at scrape time (zero cost on
+the hot path) and from the piece cache's counters of an ``s3://`` store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from tokenfeed_server.http.state import ServerState
+
+__all__ = ["PROMETHEUS_CONTENT_TYPE", "SnapshotCollector", "exposition"]
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def exposition(state: ServerState) -> bytes:
+    """The text exposition of every metric of the server ``state`` describes."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(state))
+    return generate_latest(registry)
+
+
+class SnapshotCollector(Collector):
+    """Reads the data plane's snapshot at scrape time: zero cost on the hot path."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        """The per-job metrics, the server's gauges and events, the cache's metrics."""
+        snap = self.state.dataplane.snapshot
+        yield from _job_metrics(snap["jobs"])
+        yield GaugeMetricFamily(
+            "tokenfeed_connections", "Attached connections", value=snap["connections"]
+        )
+        yield GaugeMetricFamily("tokenfeed_jobs", "Known jobs", value=len(snap["jobs"]))
+        yield GaugeMetricFamily(
+            "tokenfeed_ready", "1 when serving", value=1 if self.state.ready else 0
+        )
+        events = CounterMetricFamily("tokenfeed_events", "Data plane events", labels=["event"])
+        for name, value in sorted(snap["counters"].items()):
+            events.add_metric([name], value)
+        yield events
+        cache = self.state.store.cache
+        if cache is not None:
+            yield from _cache_metrics(cache.stats())
+
+
+def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
+    """One sample per job of each job metric (as ``/v1/jobs`` shows the jobs)."""
+    # Not "job": Prometheus sets that label to the scrape target's job and would rename
+    # ours to "exported_job"; "job_id" survives the scrape as it is.
+    labels = ["job_id", "dataset", "tenant"]
+    tokens = CounterMetricFamily("tokenfeed_tokens_served", "Tokens sent", labels=labels)
+    batches = CounterMetricFamily("tokenfeed_batches_served", "Batches sent", labels=labels)
+    retrans = CounterMetricFamily(
+        "tokenfeed_retransmits", "Requests for data already sent", labels=labels
+    )
+    rate = GaugeMetricFamily(
+        "tokenfeed_tokens_per_second", "Recent rate of tokens sent", labels=labels
+    )
+    workers = GaugeMetricFamily("tokenfeed_job_workers", "Attached workers", labels=labels)
+    served = GaugeMetricFamily(
+        "tokenfeed_served_position",
+        "Furthest stream position sent (windows from the stream's start; prefetched)",
+        labels=labels,
+    )
+    consumed = GaugeMetricFamily(
+        "tokenfeed_consumed_position",
+        "Stream position the trainer reported consumed (absent until it reports)",
+        labels=labels,
+    )
+    consumed_rate = GaugeMetricFamily(
+        "tokenfeed_consumed_tokens_per_second",
+        "Recent rate of input tokens the trainer consumed (seq_len per window)",
+        labels=labels,
+    )
+    for job in jobs:
+        values = [job["id"], job["dataset"], job["tenant"]]
+        tokens.add_metric(values, job["tokens_served"])
+        batches.add_metric(values, job["batches_served"])
+        retrans.add_metric(values, job["retransmits"])
+        rate.add_metric(values, job["tokens_per_s"])
+        workers.add_metric(values, job["workers"])
+        served.add_metric(values, job["position"])
+        if job["consumed_position"] is not None:
+            consumed.add_metric(values, job["consumed_position"])
+            consumed_rate.add_metric(values, job["consumed_tokens_per_s"])
+    yield from (tokens, batches, retrans, rate, workers, served, consumed, consumed_rate)
+
+
+def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The piece cache of an s3:// store, from :meth:`PieceCache.stats`."""
+    gauges = {
+        "capacity_bytes": "Most bytes the piece cache may hold",
+        "size_bytes": "Bytes of verified pieces in the cache",
+        "reserved_bytes": "Bytes held, being fetched or queued (never above the capacity)",
+        "pieces": "Verified pieces in the cache",
+        "fetching": "Pieces being fetched now",
+        "wanted_pieces": "Pieces the prefetch plan wants",
+    }
+    for key, doc in gauges.items():
+        yield GaugeMetricFamily(f"tokenfeed_cache_{key}", doc, value=stats[key])
+    counters = {
+        "hits": "Piece look-ups of reads that found the piece cached",
+        "misses": "Piece look-ups of reads that waited for a fetch",
+        "fetches": "Pieces fetched from object storage",
+        "prefetches": "Pieces fetched ahead for the prefetch plan",
+        "bytes_fetched": "Bytes fetched from object storage",
+        "fetch_errors": "Failed GET attempts, each retried",
+        "checksum_mismatches": "Fetched pieces that did not match the manifest",
+        "unreadable": "Pieces given up on after the retries",
+        "evictions": "Pieces evicted to make room",
+    }
+    for key, doc in counters.items():
+        yield CounterMetricFamily(f"tokenfeed_cache_{key}", doc, value=stats[key])
+    buckets = [(str(le), count) for le, count in stats["fetch_latency_buckets"]]
+    buckets.append(("+Inf", stats["fetches"]))
+    yield HistogramMetricFamily(
+        "tokenfeed_cache_fetch_seconds",
+        "Seconds per piece fetch (retries included)",
+        buckets=buckets,
+        sum_value=stats["fetch_latency_sum_s"],
+    )

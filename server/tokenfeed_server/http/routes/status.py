@@ -1,0 +1,45 @@
+"""``/v1/limits`` (open to all) and ``/v1/status``: the server's settings and counters."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter
+
+from tokenfeed_server import __version__
+from tokenfeed_server.http.access import Caller
+from tokenfeed_server.http.error_docs import errors
+from tokenfeed_server.http.models import CacheView, ConfigView, LimitsView, StatusView
+from tokenfeed_server.http.state import State
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get("/v1/limits")
+def limits(state: State) -> LimitsView:
+    """The limits every client is held to."""
+    return LimitsView.model_validate(state.config.limits.as_dict())
+
+
+@router.get("/v1/status", responses=errors(401))
+def status(state: State, who: Caller) -> StatusView:
+    """Server instance, settings, connection count and counters (the store path: admin)."""
+    snap = state.dataplane.snapshot
+    config = dict(state.config.public_view())
+    if not who.admin:
+        config["store"] = None
+        config["cache_dir"] = None
+    cache = state.store.cache
+    return StatusView(
+        version=__version__,
+        server=state.dataplane.instance,
+        ready=state.ready,
+        started=state.started,
+        uptime_s=round(time.time() - state.started, 1),
+        connections=snap["connections"],
+        counters=snap["counters"],
+        config=ConfigView.model_validate(config),
+        cache=CacheView.model_validate(cache.stats()) if cache is not None else None,
+    )

@@ -1,0 +1,53 @@
+"""What the HTTP side may read of a running server (:class:`ServerState`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from tokenfeed_server.config import ServerConfig
+from tokenfeed_server.dataplane.auth import Tenants, token_digest
+from tokenfeed_server.dataplane.plane import DataPlane
+from tokenfeed_server.store import Store
+
+__all__ = ["ServerState", "State", "server_state"]
+
+
+class ServerState:
+    """What the HTTP side may read: config, store, data plane, and the ready flag."""
+
+    def __init__(
+        self, config: ServerConfig, store: Store, dataplane: DataPlane, tenants: Tenants | None
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.dataplane = dataplane
+        self.tenants = tenants
+        self.ready = False
+        self.started = time.time()
+        #: digest of --admin-token on an open server (an authenticated one keeps it in tenants)
+        self.open_admin_sha256 = (
+            token_digest(config.admin_token) if tenants is None and config.admin_token else None
+        )
+        root = str(store.root)
+        # Longest first, so that the resolved form is not half-replaced by the given one.
+        self._store_paths = sorted({root, str(Path(root).resolve())}, key=len, reverse=True)
+
+    def redact(self, message: str) -> str:
+        """``message`` with the store's path replaced, for callers who are not the admin."""
+        for path in self._store_paths:
+            message = message.replace(path, "<store>")
+        return message
+
+
+def server_state(request: Request) -> ServerState:
+    """The state of the server whose app answers ``request`` (set by ``create_app``)."""
+    state: ServerState = request.app.state.tokenfeed
+    return state
+
+
+#: a handler parameter that receives the server's state
+State = Annotated[ServerState, Depends(server_state)]
