@@ -14,6 +14,7 @@ import zmq
 
 from tokenfeed import protocol
 from tokenfeed.errors import ServerError
+from tokenfeed_server.dataplane.auth import ANONYMOUS
 from tokenfeed_server.dataplane.registry import Registry
 from tokenfeed_server.logbudget import LogBudget
 
@@ -73,5 +74,5 @@ def tenant_of(frame: zmq.Frame) -> str:
     try:
         user = frame.get("User-Id")
     except zmq.ZMQError:
-        return "anonymous"
-    return str(user) if user else "anonymous"
+        return ANONYMOUS
+    return str(user) if user else ANONYMOUS
