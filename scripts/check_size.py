@@ -55,7 +55,11 @@ def main() -> int:
     functions.sort(reverse=True)
     print("[size] largest modules:", ", ".join(f"{p} {n}" for n, p in modules[:5]))
     print("[size] longest functions:", ", ".join(f"{p} {n}" for n, p in functions[:5]))
-    over = [f"module {p}: {n} lines (max {MAX_MODULE_LINES})" for n, p in modules if n > MAX_MODULE_LINES]
+    over = [
+        f"module {p}: {n} lines (max {MAX_MODULE_LINES})"
+        for n, p in modules
+        if n > MAX_MODULE_LINES
+    ]
     over += [
         f"function {p}: {n} lines (max {MAX_FUNCTION_LINES})"
         for n, p in functions

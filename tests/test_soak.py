@@ -73,9 +73,9 @@ def test_memory_by_owner_returns_to_baseline_after_churn(server: LiveServer) -> 
     baseline = wait_until(lambda: memory(server), 10, "memory figures")
     assert set(OWNERS) <= set(baseline), baseline
     peak: dict[str, int] = dict(baseline)
-    for seed in range(1, 61):
+    for seed in range(1, 301):
         assert train(server, rng, seed) > 0
-        if seed % 10 == 0:
+        if seed % 25 == 0:
             for owner, held in memory(server).items():
                 peak[owner] = max(peak.get(owner, 0), held)
     assert peak["jobs"] > baseline["jobs"], "the job records were never counted"

@@ -8,6 +8,7 @@ keeps the arithmetic testable without sleeping.
 from __future__ import annotations
 
 import collections
+import sys
 
 __all__ = ["Rate"]
 
@@ -25,6 +26,11 @@ class Rate:
             raise ValueError(f"window_s must be > 0, got {window_s}")
         self.window_s = window_s
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def held_bytes(self) -> int:
+        """Estimated bytes of the samples kept (for the server's memory figures)."""
+        sample = sys.getsizeof((0.0, 0)) + sys.getsizeof(0.0) + sys.getsizeof(0)
+        return sys.getsizeof(self._samples) + len(self._samples) * sample
 
     def sample(self, now: float, count: int) -> float:
         """Record ``count`` at time ``now`` (seconds, non-decreasing); return the rate."""

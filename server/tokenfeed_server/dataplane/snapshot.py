@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 from typing import Any
 
 from tokenfeed_server.dataplane.jobs import Job
@@ -12,7 +13,12 @@ from tokenfeed_server.dataplane.registry import Registry
 __all__ = ["EMPTY_SNAPSHOT", "make_snapshot"]
 
 #: what the HTTP side reads before the loop's first snapshot
-EMPTY_SNAPSHOT: dict[str, Any] = {"jobs": [], "connections": 0, "counters": {}}
+EMPTY_SNAPSHOT: dict[str, Any] = {
+    "jobs": [],
+    "connections": 0,
+    "counters": {},
+    "memory": {"jobs": 0, "connections": 0},
+}
 
 
 def make_snapshot(
@@ -38,7 +44,26 @@ def make_snapshot(
         "jobs": jobs,
         "connections": len(registry.peers),
         "counters": dict(counters),
+        "memory": registry_bytes(registry),
     }
+
+
+def registry_bytes(registry: Registry) -> dict[str, int]:
+    """Estimated bytes of the loop's own records: ``jobs`` (each job's record, its re-send
+    marks and rate windows; its datasets and mixture tables are counted by the store) and
+    ``connections`` (each connection's record and name). Computed on the loop thread with
+    the snapshot, so the HTTP side never walks tables the loop is changing.
+    """
+    size = sys.getsizeof
+    jobs = size(registry.jobs)
+    for job in registry.jobs.values():
+        jobs += size(job) + size(job.__dict__) + size(job.high_water)
+        jobs += sum(size(name) + size(ranks) for name, ranks in job.high_water.items())
+        jobs += job.served_rate.held_bytes() + job.consumed_rate.held_bytes()
+    peers = size(registry.peers) + size(registry.by_name)
+    for ident, peer in registry.peers.items():
+        peers += size(ident) + size(peer) + size(peer.__dict__) + size(peer.name)
+    return {"jobs": jobs if registry.jobs else 0, "connections": peers if registry.peers else 0}
 
 
 def _job_view(job: Job, now: float, *, workers: int, queued: int) -> dict[str, Any]:

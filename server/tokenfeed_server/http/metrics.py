@@ -15,6 +15,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from tokenfeed_server.http.routes.status import memory_figures
 from tokenfeed_server.http.state import ServerState
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "SnapshotCollector", "exposition"]
@@ -50,6 +51,12 @@ class SnapshotCollector(Collector):
         for name, value in sorted(snap["counters"].items()):
             events.add_metric([name], value)
         yield events
+        held = GaugeMetricFamily(
+            "tokenfeed_memory_bytes", "Bytes the server holds, by owner", labels=["owner"]
+        )
+        for owner, value in memory_figures(snap).items():
+            held.add_metric([owner], value)
+        yield held
         cache = self.state.store.cache
         if cache is not None:
             yield from _cache_metrics(cache.stats())

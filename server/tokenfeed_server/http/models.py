@@ -288,3 +288,8 @@ class StatusView(_Model):
     cache: CacheView | None = Field(
         default=None, description="The piece cache of an s3:// store; null for a local store."
     )
+    memory: dict[str, int] = Field(
+        default_factory=dict,
+        description="Bytes the server holds by owner: row_buffers, window_blocks, "
+        "mixture_tables (store), jobs and connections (data plane records, estimated).",
+    )

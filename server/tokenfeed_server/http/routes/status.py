@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter
 
@@ -11,8 +12,9 @@ from tokenfeed_server.http.access import Caller
 from tokenfeed_server.http.error_docs import errors
 from tokenfeed_server.http.models import CacheView, ConfigView, LimitsView, StatusView
 from tokenfeed_server.http.state import State
+from tokenfeed_server.store import memory
 
-__all__ = ["router"]
+__all__ = ["memory_figures", "router"]
 
 router = APIRouter()
 
@@ -42,4 +44,10 @@ def status(state: State, who: Caller) -> StatusView:
         counters=snap["counters"],
         config=ConfigView.model_validate(config),
         cache=CacheView.model_validate(cache.stats()) if cache is not None else None,
+        memory=memory_figures(snap),
     )
+
+
+def memory_figures(snap: dict[str, Any]) -> dict[str, int]:
+    """The store's owners (read now) and the data plane's (from its last snapshot)."""
+    return {**memory.memory_by_owner(), **snap.get("memory", {})}
