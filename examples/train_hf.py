@@ -6,6 +6,9 @@ LMs shift the labels inside their loss. tokenfeed's default labels are already s
 for plain ``cross_entropy``; fed to a Hugging Face model they would train it to predict
 the token after next. Checkpoints hold the model, the optimizer, the learning-rate
 schedule and ``loader.state_dict()``, so ``--resume`` continues the data stream exactly.
+This is a plain training loop; with the Hugging Face ``Trainer`` use
+``tokenfeed.integrations.hf.TokenFeedTrainer``, which does the same in its checkpoints
+(``docs/guides/huggingface.md``).
 
     python examples/train_hf.py                          # starts a server over ./demo-store
     python examples/train_hf.py --steps 100 --stop-after 40 --checkpoint hf.pt

@@ -5,11 +5,17 @@ server; a run cut in two by a checkpoint (with another ``num_workers`` after the
 must train on exactly the windows of an uninterrupted run and end with the same
 weights. The loader's ``state_dict`` / ``load_state_dict`` must be torchdata's
 ``Stateful`` protocol exactly (what trainers that checkpoint stateful loaders look for).
+
+torchdata's own ``StatefulDataLoader`` over a ``TokenFeedDataset`` (real worker
+processes) continues exactly after a state round trip: each worker's saved state says
+what that worker yielded. What can not be resumed exactly is refused, never restarted.
+``TokenFeedLoader`` leaves the dataset it is given as it was (its packing is its own).
 """
 
 from __future__ import annotations
 
 import inspect
+import pickle
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,17 +24,22 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torchdata.stateful_dataloader import Stateful
+from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
+from tokenfeed.errors import ConfigError
 from tokenfeed_server.store import write_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train_hf  # the example script, imported from its folder
 from shard_data import BYTE
 
-pytestmark = pytest.mark.network
+pytestmark = [
+    pytest.mark.network,
+    # torchdata's StatefulDataLoader calls torch.set_vital, which newer torch deprecates
+    pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -136,4 +147,82 @@ def test_stateful_round_trip_continues_the_stream(server: LiveServer) -> None:
     tail = [b["window_ids"] for b in second]
     assert len(whole) == 6
     for got, want in zip(head + tail, whole, strict=True):
+        assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ StatefulDataLoader
+
+STEPS = 24
+
+
+def stateful_data(server: LiveServer, *, batches_per_item: int | None = None) -> TokenFeedDataset:
+    return TokenFeedDataset(
+        server.zmq, "alpha", seq_len=32, batch_size=4, seed=2, rank=0, world_size=1,
+        samples=STEPS * 4, batches_per_item=batches_per_item, deadline=20.0,
+    )  # fmt: skip
+
+
+def stateful(server: LiveServer, num_workers: int, **kwargs: Any) -> StatefulDataLoader[Any]:
+    return StatefulDataLoader(
+        stateful_data(server, **kwargs), batch_size=None, num_workers=num_workers
+    )
+
+
+def cut(loader: StatefulDataLoader[Any], taken: int) -> tuple[list[Any], dict[str, Any]]:
+    """The first ``taken`` items and the loader's state then, as a checkpoint holds it."""
+    items = iter(loader)
+    head = [next(items) for _ in range(taken)]
+    state = pickle.loads(pickle.dumps(loader.state_dict()))  # what torch.save keeps
+    del items  # its workers stop
+    return head, state
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resumes_where_it_stopped(server: LiveServer, num_workers: int) -> None:
+    whole = [b["window_ids"] for b in stateful(server, num_workers)]
+    head, state = cut(stateful(server, num_workers), 7)
+    resumed = stateful(server, num_workers)
+    resumed.load_state_dict(state)
+    tail = [b["window_ids"] for b in resumed]
+
+    assert len(whole) == STEPS and len(tail) == STEPS - 7  # not a restart from batch 0
+    for step, (got, want) in enumerate(
+        zip([b["window_ids"] for b in head] + tail, whole, strict=True)
+    ):
+        assert torch.equal(got, want), f"step {step}"
+
+
+def test_a_worker_state_does_not_load_into_a_whole_rank_loader(server: LiveServer) -> None:
+    _, state = cut(stateful(server, 2), 3)
+    worker_state = next(iter(state["_snapshot"]["_worker_snapshots"].values()))["dataset_state"]
+    assert worker_state["worker"]["num_workers"] == 2
+    loader = TokenFeedLoader(stateful_data(server), num_workers=0, pin_memory=False)
+    with pytest.raises(ConfigError, match="StatefulDataLoader of num_workers=2"):
+        loader.load_state_dict(worker_state)
+    assert loader.position == 0  # refused before anything changed
+
+
+def test_packed_worker_items_are_refused_on_resume_not_restarted(server: LiveServer) -> None:
+    _, state = cut(stateful(server, 2, batches_per_item=2), 3)
+    resumed = stateful(server, 2, batches_per_item=2)
+    resumed.load_state_dict(state)
+    with pytest.raises(ConfigError, match="TokenFeedLoader"):
+        next(iter(resumed))
+
+
+# ------------------------------------------------------------------ the given dataset
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_leaves_the_dataset_as_it_was_given(server: LiveServer, num_workers: int) -> None:
+    ds = stateful_data(server)
+    loader = TokenFeedLoader(ds, num_workers=num_workers, pin_memory=False)
+    through_loader = [b["window_ids"] for b in loader]
+    if num_workers:
+        assert loader.batches_per_item > 1  # the loader packs its workers' items
+    assert (ds.batches_per_item, ds.auto_batches_per_item) == (1, True)
+    # reused in a DataLoader of its own: plain batches, not packed items
+    again = [b["window_ids"] for b in StatefulDataLoader(ds, batch_size=None, num_workers=2)]
+    assert len(through_loader) == len(again) == STEPS
+    for got, want in zip(again, through_loader, strict=True):
         assert torch.equal(got, want)

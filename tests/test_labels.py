@@ -80,7 +80,7 @@ def batches(
     loader = TokenFeedLoader(ds, num_workers=workers, pin_memory=False, prefetch=2)
     got = list(loader)
     if workers > 0 and batches_per_item is None:
-        assert ds.batches_per_item > 1  # the automatic packing: the unpack path ran
+        assert loader.batches_per_item > 1  # the automatic packing: the unpack path ran
     return got
 
 

@@ -148,7 +148,7 @@ def test_two_ranks_then_three_continue_the_one_process_stream(
                         pin_memory=False)
         for r in range(2)
     ]  # fmt: skip
-    assert first[0].dataset.batches_per_item > 1  # items cross the process boundary packed
+    assert first[0].batches_per_item > 1  # items cross the process boundary packed
     head = run_ranks(first)
     state = json.loads(json.dumps(first[0].state_dict()))  # as a checkpoint stores it
     assert state["position"] == PAUSE == len(head["source"])

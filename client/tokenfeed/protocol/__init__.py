@@ -34,7 +34,7 @@ hello    dataset: str, seq_len: int, batch_size: int, seed: int, world_size: int
          sources*: list[str] = [], schedule*: list[list[int]] = [],
          fingerprints*: list[str] = [] (a mixture, see "Mixtures" below),
          shuffle*: str = "global", region_windows*: int = 0, block_regions*: int = 0
-         (the order, see "Shuffle" below)
+         (the order, see "Shuffle" below), run*: str = "" (the launch, see "Runs" below)
 welcome  server: str, job: str, fingerprint: str, n_tokens: int, n_windows: int, dtype: str,
          window: int, max_count: int, eos_id: int,
          region_windows*: int = 0, block_regions*: int = 0 (a single dataset's block sizes),
@@ -94,6 +94,18 @@ function of the build's shard sizes and ``seq_len`` (never of a server's cache),
 pinned build keeps them; a single-dataset client resuming a run may send them back to
 pin them outright.
 
+Runs
+----
+The server names a job by a hash of its inputs: the dataset builds, the plan inputs, the
+order, the tenant and ``run`` (``tokenfeed_server.dataplane.jobs.job_id``). ``run`` is
+the launch's run id: one value made once per training launch and sent by every rank and
+worker of it (and saved in its resume state, so a resumed run re-attaches to its own
+job), so two launches with the same inputs are two jobs, each with its own progress. It
+is empty or 1-128 characters of letters, digits, ``.``, ``_``, ``:`` or ``-``
+(:data:`RUN_ID`), starting with a letter or digit. An empty ``run`` (a client from before
+run ids, or one that has none) names the job exactly as before: same inputs, same job.
+``run`` changes no token: a get's answer is a function of the job's inputs without it.
+
 Progress
 --------
 The server sends ahead of the trainer (the request window, the DataLoader's prefetch), so
@@ -128,6 +140,12 @@ Evolution
   would be silent wrong data: a server that skipped an ``fingerprint`` or a mixture
   schedule it did not understand would serve data the trainer did not ask for. A refusal
   says "upgrade"; silence trains on the wrong tokens.
+* **hello.run is dropped on refusal.** A server from before run ids refuses a hello
+  with ``run`` (``bad_request``: "unexpected fields ['run']"). The client then says hello
+  again without it, once per client, with a warning: ``run`` only names the job (its
+  bookkeeping), never what is served, so an older server serves the same tokens and the
+  run shares its job with identical runs, as every run did before. No other field may
+  be dropped this way.
 * **Provenance rows** are named: a receiver reads the rows it knows and ignores the
   others (extra per-row metadata cannot change the tokens it gets), so a new row such
   as a mixture's ``source`` is added without touching old clients.
@@ -164,6 +182,7 @@ from tokenfeed.protocol.constants import (
     ROW_EPOCH,
     ROW_SOURCE,
     ROW_WINDOW,
+    RUN_ID,
     SHUFFLES,
     VERSION,
 )
@@ -193,6 +212,7 @@ __all__ = [
     "ROW_EPOCH",
     "ROW_SOURCE",
     "ROW_WINDOW",
+    "RUN_ID",
     "SHUFFLES",
     "VERSION",
     "Bye",

@@ -23,6 +23,10 @@ SHUFFLES = ("global", "block")
 #: against it by the tests): the wire refuses a bad source name before any look-up.
 DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
+#: A run id as ``hello.run`` carries it: letters, digits, '.', '_', ':' and '-' (a uuid, a
+#: torchrun rendezvous id, a scheduler's job id), at most 128 characters.
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+
 #: The fixed list of error codes an ``err`` may carry (see :mod:`tokenfeed.errors`).
 ERROR_CODES = frozenset(
     {

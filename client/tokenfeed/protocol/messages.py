@@ -11,14 +11,14 @@ import dataclasses
 import hashlib
 import typing
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
 
 from tokenfeed.errors import ProtocolError
 from tokenfeed.protocol.bounds import MAX_DEPTH, MAX_STR, brief, depth
-from tokenfeed.protocol.constants import DATASET_NAME, SHUFFLES, VERSION
+from tokenfeed.protocol.constants import DATASET_NAME, RUN_ID, SHUFFLES, VERSION
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class JobSpec:
     ``dataset`` is the dataset's *name* in the store, as everywhere on the wire; for a
     mixture it is ``""`` and ``sources``/``schedule`` name the mixture (as in
     :class:`Hello`). ``shuffle``, ``region_windows`` and ``block_regions`` are the order
-    (the sizes the job uses, once the server derived any left at 0).
+    (the sizes the job uses, once the server derived any left at 0). ``run`` is the
+    launch's run id (``""``: none, the job is named by the other fields alone, as before
+    run ids existed; see "Runs" in :mod:`tokenfeed.protocol`).
     """
 
     dataset: str
@@ -41,6 +43,9 @@ class JobSpec:
     shuffle: str = "global"
     region_windows: int = 0
     block_regions: int = 0
+    # Out of the repr: job ids of specs without a run hash the repr of the fields before it
+    # (tokenfeed_server.dataplane.jobs.job_id), and those ids must not change.
+    run: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         # Callers pass lists; a spec is hashed and compared, so keep tuples.
@@ -83,7 +88,8 @@ class Hello(Message):
     checkpoint or an earlier ``welcome``); the server refuses to serve another one.
     A mixture sets ``sources``, ``schedule`` and optionally ``fingerprints`` instead of
     ``dataset`` and ``fingerprint`` (see "Mixtures" in the module docstring); ``shuffle``
-    and the block sizes choose the order (see "Shuffle").
+    and the block sizes choose the order (see "Shuffle"). ``run``, when not empty, is
+    the launch's run id: it names the job together with the other fields (see "Runs").
     """
 
     TYPE: ClassVar[str] = "hello"
@@ -103,6 +109,7 @@ class Hello(Message):
     shuffle: str = "global"
     region_windows: int = 0
     block_regions: int = 0
+    run: str = ""
 
     def __post_init__(self) -> None:
         _tuples(self, "sources", "fingerprints")
@@ -110,6 +117,11 @@ class Hello(Message):
 
     def check(self) -> None:
         """Mixture and shuffle fields agree with each other (see the module docstring)."""
+        if self.run and not RUN_ID.fullmatch(self.run):
+            raise ProtocolError(
+                f"hello.run: invalid run id {brief(self.run)!r}: use 1-128 characters of "
+                "letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
+            )
         if self.shuffle not in SHUFFLES:
             raise ProtocolError(
                 f"hello.shuffle must be one of {list(SHUFFLES)}, got {brief(self.shuffle)!r}"

@@ -8,7 +8,9 @@ of the dataset, so the dataset itself never sees an unchecked argument.
 
 from __future__ import annotations
 
+import logging
 import os
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,12 +20,28 @@ import torch
 
 from tokenfeed.errors import ConfigError
 from tokenfeed.mixture import Mixture, Schedule
-from tokenfeed.protocol import JobSpec
+from tokenfeed.protocol import RUN_ID, JobSpec
 from tokenfeed.training.batches import LABEL_MODES, LabelMode
 from tokenfeed.transport.options import ClientOptions
 from tokenfeed.transport.replicas import parse_endpoints
 
-__all__ = ["SHUFFLE_MODES", "DatasetArg", "DatasetConfig", "ShuffleMode", "distributed_defaults"]
+__all__ = [
+    "RUN_ID_ENV",
+    "SHUFFLE_MODES",
+    "DatasetArg",
+    "DatasetConfig",
+    "ShuffleMode",
+    "distributed_defaults",
+    "launch_run_id",
+]
+
+log = logging.getLogger("tokenfeed")
+
+#: The environment variable that names the launch's run id for every process of it.
+RUN_ID_ENV = "TOKENFEED_RUN_ID"
+#: What torchrun sets to its rendezvous id: a fresh uuid per launch with ``--standalone``,
+#: ``--rdzv-id`` otherwise (default ``"none"``, then no use as a run id).
+_TORCHRUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 #: The order of windows within an epoch: ``"global"``: a permutation of every window of
 #: the dataset; ``"block"``: regions of consecutive windows (about a shard each) visited
@@ -63,6 +81,7 @@ class DatasetConfig:
     shuffle: ShuffleMode = "global"
     region_windows: int | None = None
     block_regions: int | None = None
+    run: str | None = None
 
     def __post_init__(self) -> None:
         # Each derived value checks its own arguments; touching them here refuses a bad
@@ -82,6 +101,9 @@ class DatasetConfig:
             )
         _ = self.endpoints
         _ = self.options
+        # Last: it may be a collective (every rank broadcasts rank 0's id), reached only
+        # once the arguments are known good on this rank.
+        _ = self.job
 
     @cached_property
     def placement(self) -> tuple[int, int]:
@@ -124,7 +146,13 @@ class DatasetConfig:
             shuffle=self.shuffle,
             region_windows=self.block_sizes[0],
             block_regions=self.block_sizes[1],
+            run=self.run_id,
         )
+
+    @cached_property
+    def run_id(self) -> str:
+        """This launch's run id (see :func:`launch_run_id`), made once, here."""
+        return launch_run_id(self.run, self.placement[1])
 
     @cached_property
     def options(self) -> ClientOptions:
@@ -149,6 +177,49 @@ def distributed_defaults() -> tuple[int, int]:
         return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError as exc:
         raise ConfigError(f"RANK/WORLD_SIZE must be integers: {exc}") from None
+
+
+def launch_run_id(given: str | None, world_size: int) -> str:
+    """The id of this training launch, the same in every rank and DataLoader worker.
+
+    The first that applies: ``given`` (the ``run=`` argument); the ``TOKENFEED_RUN_ID``
+    environment variable; rank 0's fresh id broadcast to every rank when
+    ``torch.distributed`` is initialised (a collective: every rank makes its dataset);
+    torchrun's rendezvous id (``TORCHELASTIC_RUN_ID``: per launch with ``--standalone``,
+    or the ``--rdzv-id`` given); a fresh id when this is the only rank. Workers get it
+    with the pickled dataset. Several ranks with none of these can not agree on a fresh
+    id: they warn and send none (``""``), so they share the job of their inputs, as
+    every run did before run ids.
+    """
+    for where, value in (("run=", given), (RUN_ID_ENV, os.environ.get(RUN_ID_ENV))):
+        if value is not None:
+            if not RUN_ID.fullmatch(value):
+                raise ConfigError(
+                    f"{where} {value!r} is not a run id: use 1-128 characters of letters, "
+                    "digits, '.', '_', ':' or '-', starting with a letter or digit"
+                )
+            return value
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        made = [uuid.uuid4().hex if dist.get_rank() == 0 else ""]
+        dist.broadcast_object_list(made, src=0)
+        return str(made[0])
+    torchrun = os.environ.get(_TORCHRUN_ID_ENV, "none")
+    if torchrun != "none" and RUN_ID.fullmatch(torchrun):
+        return torchrun
+    if world_size == 1:
+        return uuid.uuid4().hex
+    # Logged, not warned: a launcher that places ranks itself (rank=, world_size=) is
+    # legitimate, and before run ids every run worked this way.
+    log.warning(
+        "%d ranks and no run id they share: set %s to one value for every rank (or "
+        "initialise torch.distributed before making the dataset, or use torchrun "
+        "--standalone). Without one this run shares its server job with any run of the "
+        "same dataset, seed and shapes",
+        world_size,
+        RUN_ID_ENV,
+    )
+    return ""
 
 
 def _check_labels(labels: object) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from tokenfeed.errors import TokenFeedError
+from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed.mixture import Mixture
 from tokenfeed.plan import steps_to_cover, worker_steps
 from tokenfeed.protocol import DTYPES, Welcome
@@ -101,6 +101,12 @@ class TokenFeedDataset(IterableDataset[Batch]):
             server derives them from the dataset's shards (a region about a shard), and
             :attr:`block_sizes` says which it used. Part of the resume state: a state
             loads only with the same shuffle and sizes.
+        run: this launch's run id, which gives it a server job of its own (two runs of
+            the same inputs are two jobs). Default: ``TOKENFEED_RUN_ID``, else rank 0's
+            id broadcast over ``torch.distributed`` if initialised, else torchrun's
+            rendezvous id, else a fresh one (one rank); see
+            :func:`~tokenfeed.training.config.launch_run_id`. Saved in the resume state:
+            a resumed run re-attaches to its own job.
     """
 
     def __init__(
@@ -127,6 +133,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         shuffle: ShuffleMode = "global",
         region_windows: int | None = None,
         block_regions: int | None = None,
+        run: str | None = None,
     ) -> None:
         super().__init__()
         config = DatasetConfig(
@@ -151,6 +158,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             shuffle=shuffle,
             region_windows=region_windows,
             block_regions=block_regions,
+            run=run,
         )
         self._adopt(config)
 
@@ -281,11 +289,18 @@ class TokenFeedDataset(IterableDataset[Batch]):
             self.block_sizes = used
         return welcome
 
+    #: in a DataLoader worker: where this worker is (see :meth:`state_dict`)
+    _worker_progress: _WorkerProgress | None = None
+
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         if info is None:
             return self._counting(self.iter_worker(0, 1))
-        return self.iter_worker(info.id, info.num_workers)
+        # A worker's copy counts its own items: torchdata's StatefulDataLoader saves every
+        # worker's state_dict() as the worker's items are taken, and resumes each worker
+        # from its own; without the count every worker would restart at the same place.
+        progress = self._worker_progress = _WorkerProgress(info.id, info.num_workers, self.position)
+        return _tallied(self.iter_worker(info.id, info.num_workers), progress)
 
     def _counting(self, items: Iterator[Batch]) -> Iterator[Batch]:
         # Iterated directly (no DataLoader): keep our own consumed position, and let the
@@ -400,7 +415,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
         The position advances when the dataset is iterated in this process. Under your
         own DataLoader with worker processes it cannot see what was consumed: use
         :class:`~tokenfeed.TokenFeedLoader`, whose ``state_dict()`` counts batches as
-        they reach the training loop.
+        they reach the training loop. Inside a worker process the state is that worker's
+        (torchdata's ``StatefulDataLoader`` saves one per worker): ``worker`` is
+        ``{"id", "num_workers", "items"}``, the items it has yielded since ``position``;
+        such a state loads only into the same worker of as many workers.
         """
         state: dict[str, Any] = {
             "position": self.position if position is None else position,
@@ -410,6 +428,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             "world_size": self.job.world_size,
             "shuffle": self.job.shuffle,
             "block_sizes": {name: list(sizes) for name, sizes in self.block_sizes.items()},
+            "run": self.job.run,
         }
         if self.mixture is None:
             state["dataset"] = self.job.dataset
@@ -417,6 +436,11 @@ class TokenFeedDataset(IterableDataset[Batch]):
         else:
             state["schedule"] = self.mixture.to_state()
             state["fingerprints"] = dict(self.source_fingerprints)
+        progress = self._worker_progress
+        if progress is not None and position is None:
+            state["position"] = progress.start
+            state["worker"] = dataclasses.asdict(progress)
+            del state["worker"]["start"]  # it is the state's position
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -431,13 +455,18 @@ class TokenFeedDataset(IterableDataset[Batch]):
         (a new or changed later segment: an anneal decided now), never before it.
         """
         position = resume.check_plan(state_dict, self.job)
+        if "worker" in state_dict:  # one DataLoader worker's state (StatefulDataLoader)
+            position = self._worker_resume(state_dict["worker"], position)
         required = resume.check_block_sizes(state_dict.get("block_sizes", {}), self.job)
         if self.mixture is None:
             fingerprint = resume.check_dataset(state_dict, self.job)
         else:
             fingerprints = resume.check_mixture(state_dict, position, self.mixture)
+        run = resume.check_run(state_dict)
         # Everything checked: only now change this dataset.
         self.position = position
+        if run is not None:  # the saved run's job, not this launch's new one
+            self.job = dataclasses.replace(self.job, run=run)
         self._required_block_sizes = required
         self.block_sizes.update(required)
         if self.mixture is None:
@@ -451,6 +480,55 @@ class TokenFeedDataset(IterableDataset[Batch]):
             self.source_fingerprints = {
                 name: fp for name, fp in fingerprints.items() if name in self.job.sources
             }
+
+    def _worker_resume(self, saved: Any, start: int) -> int:
+        """The position this worker resumes at, from its saved progress since ``start``."""
+        info = get_worker_info()
+        if not isinstance(saved, dict) or not all(
+            type(saved.get(k)) is int for k in ("id", "num_workers", "items")
+        ):
+            raise ConfigError(f"state has no valid 'worker': {saved!r}")
+        w, k, items = int(saved["id"]), int(saved["num_workers"]), int(saved["items"])
+        if info is None or (info.id, info.num_workers) != (w, k):
+            here = "the main process" if info is None else f"worker {info.id} of {info.num_workers}"
+            raise ConfigError(
+                f"this state is DataLoader worker {w} of {k}'s (torchdata's StatefulDataLoader "
+                f"saves one per worker), loaded in {here}: resume it with a StatefulDataLoader "
+                f"of num_workers={k}, or checkpoint with TokenFeedLoader, whose state is the "
+                "whole rank's and resumes with any num_workers"
+            )
+        if items and self.batches_per_item > 1:
+            raise ConfigError(
+                f"batches_per_item={self.batches_per_item}: a worker's packed items can not be "
+                "resumed from its count; use batches_per_item=1 with StatefulDataLoader, or "
+                "TokenFeedLoader (which packs and resumes exactly)"
+            )
+        # Worker w of k yields local steps w, w+k, ... from start: after ``items`` of them it
+        # yields the same steps as worker w of k from ``items * k`` steps further on.
+        return start + items * k * self.global_batch
+
+
+@dataclasses.dataclass
+class _WorkerProgress:
+    """One DataLoader worker's place: its index, and the items it yielded from ``start``."""
+
+    id: int
+    num_workers: int
+    start: int
+    items: int = 0
+
+
+def _tallied(items: Iterator[Batch], progress: _WorkerProgress) -> Iterator[Batch]:
+    """``items``, counted in ``progress`` as each is handed over (so a state taken right
+    after an item counts it)."""
+    try:
+        for item in items:
+            progress.items += 1
+            yield item
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 def _several(endpoints: Sequence[str]) -> bool:

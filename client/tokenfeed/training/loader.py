@@ -16,6 +16,7 @@ seconds (a pause for evaluation, the end of the loop), the loader tells it itsel
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from collections.abc import Iterator
@@ -41,6 +42,8 @@ class TokenFeedLoader:
 
     Args:
         dataset: the dataset (its ``batches_per_item`` items are split back into batches).
+            The loader does not change its settings (it packs worker items its own way,
+            :attr:`batches_per_item`); it does set its position for each ``iter()``.
         num_workers: DataLoader worker processes; 0 receives in a background thread.
         pin_memory: pin batches for fast GPU copies. Default: when CUDA is available.
             Asking for it without CUDA warns once and carries on unpinned.
@@ -71,11 +74,15 @@ class TokenFeedLoader:
                 "pin_memory=True but CUDA is not available: batches are not pinned",
                 stacklevel=2,
             )
+        #: batches per item from the worker processes: the dataset's, unless it left the
+        #: choice to the loader. The loader's own: the dataset is not changed, so it may
+        #: feed other loaders or a DataLoader of its own as it was given.
+        self.batches_per_item = dataset.batches_per_item
         if num_workers > 0 and dataset.auto_batches_per_item:
             # Worker processes hand items over at ~1 ms each: pack about 1 MiB of raw
             # tokens per item (measured 12x the throughput of one batch per item).
             batch_bytes = dataset.job.batch_size * (dataset.job.seq_len + 1) * 2
-            dataset.batches_per_item = max(1, min(_MAX_AUTO_PACK, (1 << 20) // batch_bytes))
+            self.batches_per_item = max(1, min(_MAX_AUTO_PACK, (1 << 20) // batch_bytes))
         self.dataset = dataset
         self.num_workers = num_workers
         self.pin_memory = cuda if pin_memory is None else (pin_memory and cuda)
@@ -124,9 +131,13 @@ class TokenFeedLoader:
         # Hello from this process first: the workers then read the build pinned here (or
         # the loaded state's), and a refusal is raised here, not from inside a worker.
         self.dataset.check_server()
-        packed = self.dataset.batches_per_item > 1
+        packed = self.batches_per_item > 1
+        # The workers get a copy with the loader's packing (they get a copy anyway: pickled
+        # or forked), taken after the position, counter and build above were set.
+        items = copy.copy(self.dataset)
+        items.batches_per_item = self.batches_per_item
         loader = DataLoader(
-            self.dataset,
+            items,
             batch_size=None,
             num_workers=self.num_workers,
             # packed items hold raw tokens: pin the int64 batches made from them instead

@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed.mixture import Mixture
-from tokenfeed.protocol import JobSpec, Welcome
+from tokenfeed.protocol import RUN_ID, JobSpec, Welcome
 
 __all__ = [
     "check_block_sizes",
@@ -21,6 +21,7 @@ __all__ = [
     "check_mixture",
     "check_plan",
     "check_required_block_sizes",
+    "check_run",
     "welcome_block_sizes",
 ]
 
@@ -45,6 +46,17 @@ def check_plan(state_dict: dict[str, Any], job: JobSpec) -> int:
             f"stream: pass shuffle={shuffle!r}"
         )
     return position
+
+
+def check_run(state_dict: dict[str, Any]) -> str | None:
+    """The run id a state continues (None: a state from before run ids, which keeps the
+    loading launch's own id; ``""``: a run that had none)."""
+    run = state_dict.get("run")
+    if run is None:
+        return None
+    if not isinstance(run, str) or (run and not RUN_ID.fullmatch(run)):
+        raise ConfigError(f"state has no valid 'run': {run!r}")
+    return run
 
 
 def check_block_sizes(saved: object, job: JobSpec) -> dict[str, tuple[int, int]]:

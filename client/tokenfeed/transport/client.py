@@ -57,6 +57,10 @@ __all__ = ["Answer", "ClientOptions", "FeedClient", "Request", "Stopped"]
 # One logger for the whole client package, so one line of logging config reaches it all.
 log = logging.getLogger("tokenfeed")
 
+#: How a server from before run ids refuses ``hello.run`` (its decoder's words, fixed in
+#: those releases): "hello: unexpected fields ['run']; the peer speaks a newer protocol..."
+_RUN_REFUSED = "hello: unexpected fields ['run']"
+
 
 class FeedClient:
     """A connection to a tokenfeed server for one rank and one worker of a job.
@@ -125,6 +129,8 @@ class FeedClient:
         # Unique per client object and kept across reconnects: the server replaces the
         # connection it knew under this name instead of counting a new one.
         self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}:{id(self):x}"
+        #: False once a server from before run ids refused ``hello.run``
+        self._send_run = True
 
     @property
     def endpoint(self) -> str:
@@ -181,6 +187,10 @@ class FeedClient:
                 return self._accept(msg)
             if isinstance(msg, protocol.Err) and msg.retry:
                 refusal = msg
+            elif isinstance(msg, protocol.Err) and self._older_server(hello, msg):
+                hello = self._hello_message()  # now without the run id: ask again at once
+                advance = False
+                continue
             elif msg is not None:
                 self.connection.close()
                 raise self._unexpected(msg)
@@ -220,7 +230,25 @@ class FeedClient:
             shuffle=self.job.shuffle,
             region_windows=self.job.region_windows,
             block_regions=self.job.block_regions,
+            run=self.job.run if self._send_run else "",
         )
+
+    def _older_server(self, hello: protocol.Hello, err: protocol.Err) -> bool:
+        """True when ``err`` is a server from before run ids refusing ``hello.run``; from
+        then on this client leaves the run id out (see "Evolution" in
+        :mod:`tokenfeed.protocol`: the one field a client drops on refusal, since it names
+        the job and never changes a token)."""
+        if not (hello.run and err.code == "bad_request" and _RUN_REFUSED in err.message):
+            return False
+        self._send_run = False
+        log.warning(
+            "the server at %s is older than run ids (it refused hello.run): this run "
+            "shares its job with runs of the same dataset, seed and shapes, as before run "
+            "ids; the data served is the same. Upgrade tokenfeed-server to give every "
+            "launch its own job",
+            self.endpoint,
+        )
+        return True
 
     def _attempt(
         self,

@@ -115,6 +115,9 @@ class Admission:
     def _resolve_job(self, tenant: str, msg: protocol.Hello) -> Job:
         """The job these inputs name, created on first sight; its datasets from memory.
 
+        The run id is one of the inputs: every launch is a job of its own, and a resumed
+        run (its state carries the id) re-attaches to its own job.
+
         A mixture's hello names its sources: each is looked up and checked (build,
         tokenizer) and gets its own plan (see :func:`~tokenfeed_server.store.mixing.open_feed`).
         """
@@ -137,7 +140,7 @@ class Admission:
         job = Job(jid, spec, feed, tenant, weight=weight, max_count=max_count)
         self.registry.add_job(job)
         if self._log_budget.take():
-            log.info("job %s: %s (tenant %s)", jid, spec, tenant)
+            log.info("job %s: %s (tenant %s, run %s)", jid, spec, tenant, spec.run or "-")
         return job
 
     def _dataset(self, tenant: str, name: str) -> Dataset:
@@ -181,6 +184,7 @@ def _job_spec(msg: protocol.Hello, feed: Feed) -> JobSpec:
         shuffle=msg.shuffle,
         region_windows=msg.region_windows,
         block_regions=msg.block_regions,
+        run=msg.run,
     )
 
 

@@ -75,7 +75,9 @@ def job_id(spec: JobSpec, feed: Feed, tenant: str) -> str:
 
     It covers the spec (a mixture's reduced schedule included), every source's build and
     the block sizes each source's plan uses (derived ones too, so a hello that names the
-    derived sizes joins the same job as one that leaves them at 0).
+    derived sizes joins the same job as one that leaves them at 0), and the run id: two
+    launches with the same inputs are two jobs. A spec without a run id (a client from
+    before run ids) keeps exactly the id it had before them.
     """
     if not spec.is_mixture and spec.shuffle == "global":
         # The key of single-dataset jobs from before mixtures: their ids do not change.
@@ -92,4 +94,8 @@ def job_id(spec: JobSpec, feed: Feed, tenant: str) -> str:
             for s in feed.sources
         )
         key = f"{asked}|{sources}|{tenant}"
+    if spec.run:
+        # Appended only when set (and ``run`` is out of the spec's repr, used above): the
+        # keys, and so the ids, of jobs without a run are those from before run ids.
+        key = f"{key}|run={spec.run}"
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
