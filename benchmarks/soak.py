@@ -50,6 +50,7 @@ TOKENS = {"alice": "alice-soak-token-0123456789", "bob": "bob-soak-token-9876543
 ADMIN = "admin-soak-token-abcdefghijklmn"
 LOCAL = ("web", "code", "math")
 BUCKET, PREFIX, REMOTE = "soak", "store", "remote"
+_RESULT = "soak-result "  # the child's one line for the parent (its log shares the file)
 
 
 # -- the data -------------------------------------------------------------------------
@@ -165,7 +166,8 @@ def child(spec: dict[str, Any]) -> None:
             loader.load_state_dict(state)
             it = iter(loader)
     dupes = sum(1 for n in seen.values() if n > 1)
-    print(json.dumps({"batches": batches, "rows": sum(seen.values()), "duplicates": dupes}))
+    summary = {"batches": batches, "rows": sum(seen.values()), "duplicates": dupes}
+    print(_RESULT + json.dumps(summary), flush=True)
 
 
 def _record(seen: dict[tuple[int, int], int], batch: dict[str, Any]) -> None:
@@ -187,11 +189,12 @@ class Churn:
         self.started = self.killed = self.clean = self.failed = 0
         self.problems: list[str] = []
         self.rows = 0
+        self.outputs: dict[int, Any] = {}
 
     def step(self) -> None:
         for proc, spec, born in list(self.alive):
             if spec["kill"] and proc.poll() is None and time.monotonic() - born > 2.0:
-                proc.send_signal(signal.SIGKILL)
+                _kill_group(proc)
             if proc.poll() is not None:
                 self.alive.remove((proc, spec, born))
                 self._finished(proc, spec)
@@ -200,14 +203,22 @@ class Churn:
             spec = trainer_specs(self.rng, *self.endpoints)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            # Output to files, not pipes: a chatty child must never block on a full pipe,
+            # and its DataLoader workers (killed with it, as a group) hold no pipe open.
+            out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in _finished)
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-            )
+                cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+            self.outputs[proc.pid] = out
             self.alive.append((proc, spec, time.monotonic()))
             self.started += 1
 
     def _finished(self, proc: subprocess.Popen[str], spec: dict[str, Any]) -> None:
-        out, err = proc.communicate()
+        with self.outputs.pop(proc.pid) as f:
+            f.seek(0)
+            out = err = f.read()
+        _kill_group(proc)  # any DataLoader worker it left behind
         if spec["kill"] and proc.returncode == -signal.SIGKILL:
             self.killed += 1
             return
@@ -215,7 +226,12 @@ class Churn:
             self.failed += 1
             self.problems.append(f"trainer exited {proc.returncode}: {err.strip()[-400:]}")
             return
-        result = json.loads(out.strip().splitlines()[-1])
+        lines = [line for line in out.splitlines() if line.startswith(_RESULT)]
+        if not lines:
+            self.failed += 1
+            self.problems.append(f"trainer printed no result: {out.strip()[-400:]}")
+            return
+        result = json.loads(lines[-1].removeprefix(_RESULT))
         self.clean += 1
         self.rows += int(result["rows"])
         if result["batches"] != spec["batches"] or result["duplicates"]:
@@ -224,7 +240,7 @@ class Churn:
     def drain(self, timeout: float = 120.0) -> None:
         for proc, spec, _ in self.alive:
             if spec["kill"]:
-                proc.send_signal(signal.SIGKILL)
+                _kill_group(proc)
         end = time.monotonic() + timeout
         while self.alive and time.monotonic() < end:
             self.step_finish_only()
@@ -235,6 +251,12 @@ class Churn:
             if proc.poll() is not None:
                 self.alive.remove((proc, spec, born))
                 self._finished(proc, spec)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL a trainer and its DataLoader workers (its own session: one process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 # -- sampling -------------------------------------------------------------------------
@@ -351,7 +373,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.2)
         churn.drain()
         stop.set()
-        time.sleep(args.job_ttl_s + 3.0)  # the servers forget the ended jobs
+        # the servers forget the ended jobs, and release pools idle past --memory-idle-s
+        time.sleep(max(args.job_ttl_s + 3.0, args.settle_s))
         after = {name: sample(name, server, t0) for name, server in servers.items()}
     finally:
         stop.set()
@@ -387,6 +410,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=0.25, help="fraction of the run before the fit")
     ap.add_argument("--job-ttl-s", type=float, default=20.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle-s", type=float, default=75.0, help="wait after the churn")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
