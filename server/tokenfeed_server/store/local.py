@@ -33,6 +33,7 @@ from tokenfeed_server.store.reader import (
     Dataset,
     FileSpan,
     is_dataset_name,
+    pread_exact,
     validate_dataset_name,
 )
 
@@ -107,13 +108,12 @@ class LocalDataset(Dataset):
 
     def _pread(self, k: int, buf: memoryview, offset: int) -> None:
         try:
-            got = os.preadv(self._fds[k], [buf], offset)
-        except OSError as exc:
-            raise self._read_error(k, f"{exc.strerror or exc}") from None
+            fd = self._fds[k]
         except IndexError:
             raise StoreError(f"dataset {self.name!r} is closed") from None
-        if got != len(buf):
-            raise self._read_error(k, f"read {got} of {len(buf)} bytes at offset {offset}")
+        problem = pread_exact(fd, buf, offset)
+        if problem is not None:
+            raise self._read_error(k, problem)
 
     def _read_error(self, k: int, what: str) -> CorruptShard:
         return CorruptShard(

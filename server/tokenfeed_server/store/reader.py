@@ -12,6 +12,7 @@ too: every way to a dataset goes through them.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from tokenfeed_server.store.format import HEADER_SIZE, index_offset
 from tokenfeed_server.store.manifest import Manifest
 
 __all__ = [
+    "pread_exact",
     "Dataset",
     "FileSpan",
     "is_dataset_name",
@@ -279,3 +281,13 @@ class Dataset:
         if not parts:
             return np.empty(0, dtype=np.int64)
         return np.concatenate(parts)
+
+
+def pread_exact(fd: int, buf: memoryview, offset: int) -> str | None:
+    """Fill ``buf`` from ``fd`` at ``offset``; None, or what went wrong (an OS error, a
+    short read) for the caller's own error, which names the file it reads."""
+    try:
+        got = os.preadv(fd, [buf], offset)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None if got == len(buf) else f"read {got} of {len(buf)} bytes at offset {offset}"

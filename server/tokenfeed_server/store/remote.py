@@ -24,6 +24,7 @@ from tokenfeed_server.store.reader import (
     Dataset,
     FileSpan,
     is_dataset_name,
+    pread_exact,
     validate_dataset_name,
 )
 from tokenfeed_server.store.waiters import NotResident
@@ -127,12 +128,9 @@ class RemoteDataset(Dataset):
             done += take
 
     def _pread_piece(self, fd: int, buf: memoryview, offset: int, gid: int) -> None:
-        try:
-            got = os.preadv(fd, [buf], offset)
-        except OSError as exc:
-            raise self._cache_error(gid, exc.strerror or str(exc)) from None
-        if got != len(buf):
-            raise self._cache_error(gid, f"read {got} of {len(buf)} bytes at {offset}")
+        problem = pread_exact(fd, buf, offset)
+        if problem is not None:
+            raise self._cache_error(gid, problem)
 
     def _cache_error(self, gid: int, what: str) -> StoreError:
         return StoreError(
