@@ -23,6 +23,7 @@ from tokenfeed_server.config import (
     MemorySettings,
     PrepareSettings,
     ServerConfig,
+    StorageSettings,
 )
 
 CLI = [sys.executable, "-m", "tokenfeed_server.cli"]
@@ -222,6 +223,7 @@ def test_every_setting_has_one_flag_and_one_twin() -> None:
         *(f"--{name.replace('_', '-')}" for name in Limits.model_fields),
         *(f"--{name.replace('_', '-')}" for name in CacheSettings.model_fields),
         *(f"--{name.replace('_', '-')}" for name in MemorySettings.model_fields),
+        *(f"--{name.replace('_', '-')}" for name in StorageSettings.model_fields),
     }  # fmt: skip
     assert {s.env for s in serve} >= {"TOKENFEED_TENANTS_FILE", "TOKENFEED_CURVE_SECRET_KEY_FILE"}
     for model in (ServerConfig, PrepareSettings):
