@@ -186,7 +186,8 @@ def _format_line(m: Manifest) -> str:
 
 def _inspect_remote(location: S3Location, *, verify: bool) -> int:
     from tokenfeed_server.store.objects import ObjectStore
-    from tokenfeed_server.store.publish import read_published, verify_published
+    from tokenfeed_server.store.publish import read_published
+    from tokenfeed_server.store.verify import verify_published
 
     parent, name = location.split()
     store = ObjectStore(parent)

@@ -52,6 +52,7 @@ from tokenfeed_server.store.cache_policy import (
     rows_per_request,
 )
 from tokenfeed_server.store.errors import CacheTooSmall, PieceUnreadable
+from tokenfeed_server.store.health import StorageHealth
 from tokenfeed_server.store.piece_fetch import FetchCounters, RetryPolicy, fetch_piece
 from tokenfeed_server.store.piece_files import PieceDirectory
 from tokenfeed_server.store.piece_index import PieceIndex
@@ -107,6 +108,8 @@ class PieceCache:
         self.capacity = int(capacity)
         self.source = source
         self.retry = RetryPolicy(max(1, attempts), max(1, mismatch_attempts), backoff_s)
+        #: What object storage did for each dataset lately (read by the HTTP side).
+        self.health = StorageHealth()
         #: Taken by readers around residency checks and reads, and by every change.
         self.lock = threading.Lock()
         self._work = threading.Condition(self.lock)
