@@ -97,6 +97,16 @@ def test_missing_scheme_suggests_the_fix() -> None:
         check_endpoint("127.0.0.1:7400")
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "meant"),
+    [("http://10.0.0.5:7401/", "tcp://10.0.0.5:7400"), ("https://[::1]:7401", "tcp://[::1]:7400")],
+)
+def test_an_http_url_points_at_the_data_port(endpoint: str, meant: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"did you mean '{meant}'")) as refused:
+        check_endpoint(endpoint)
+    assert "not HTTP" in str(refused.value)
+
+
 def test_a_failed_connect_leaves_no_socket_to_hang_the_process() -> None:
     # Before the fix the process hung for ever in ctx.term() at exit: a child process
     # with a timeout is the only honest test. The second case reaches the connect failure

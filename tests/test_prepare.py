@@ -6,6 +6,7 @@ import collections
 import gzip
 import itertools
 import json
+import logging
 import os
 import resource
 import signal
@@ -21,6 +22,7 @@ import zstandard
 from tokenfeed.errors import BadRecord, DatasetExists, DatasetNotFound, PrepareError
 from tokenfeed.plan import splitmix64
 from tokenfeed_server.prepare import PrepareConfig, PrepareStats, demo_corpus_paths, prepare
+from tokenfeed_server.prepare.corpus import expand_inputs
 from tokenfeed_server.prepare.doc_order import document_keys, path_hash
 from tokenfeed_server.prepare.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from tokenfeed_server.store import Dataset, list_datasets, open_dataset
@@ -353,6 +355,39 @@ def test_skip_bad_counts(tmp_path: Path) -> None:
     m = prepare(_config([j, gz], tmp_path / "s", skip_bad=True), stats)
     assert stats.corpus.bad_records == 5
     assert m.documents == 3
+
+
+def test_skip_bad_log_lines_do_not_advise_skip_bad(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    j = _jsonl(tmp_path / "x.jsonl", [GOOD, "{bad", GOOD])
+    with caplog.at_level(logging.WARNING):
+        prepare(_config([j], tmp_path / "s", skip_bad=True), PrepareStats())
+    skipped = [r.getMessage() for r in caplog.records if "skipped bad record" in r.getMessage()]
+    assert len(skipped) == 1 and "x.jsonl:2: not valid JSON" in skipped[0]
+    assert "--skip-bad" not in skipped[0]  # it is what is running
+
+
+def test_a_directory_walk_names_the_suffixes_it_leaves_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corpus = tmp_path / "code"
+    corpus.mkdir()
+    (corpus / "README.md").write_text("# a project\n")
+    for name in ("a.py", "b.py", "c.rs", "Makefile"):
+        (corpus / name).write_text("x = 1\n")
+    with caplog.at_level(logging.WARNING):
+        assert expand_inputs([corpus]) == [corpus / "README.md"]
+    (warning,) = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert "4 file(s) not read" in warning
+    assert ".py (2)" in warning and ".rs (1)" in warning and "(none) (1)" in warning
+    assert "name other files explicitly" in warning
+    # named explicitly, a .py file is read as one document
+    assert expand_inputs([corpus / "a.py"]) == [corpus / "a.py"]
+    for name in ("README.md",):
+        (corpus / name).unlink()
+    with pytest.raises(PrepareError, match=r"no input files.*\.jsonl.*name other files"):
+        prepare(_config([corpus], tmp_path / "s"))
 
 
 def test_exists_needs_overwrite(tmp_path: Path) -> None:

@@ -115,8 +115,10 @@ def dataset(srv: LiveServer, name: str, token: str | None, **kw: object) -> Toke
 
 def test_tenant_reads_its_datasets_and_is_refused_others(server: LiveServer) -> None:
     assert sum(1 for _ in dataset(server, "alpha", ALICE, samples=40)) == 10
-    with pytest.raises(DatasetForbidden, match=r"alice.*beta-1"):
+    with pytest.raises(DatasetForbidden, match=r"alice.*beta-1") as refused:
         next(iter(dataset(server, "beta-1", ALICE)))
+    # the refusal names what alice may read, so a typo does not pass for a permission
+    assert "may read datasets matching: alpha" in str(refused.value)
     assert sum(1 for _ in dataset(server, "beta-1", BOB, samples=8)) == 2
 
 

@@ -38,12 +38,29 @@ def check_endpoint(endpoint: object) -> str:
         return endpoint
     match = _TCP.fullmatch(endpoint)
     if match is None:
-        hint = "" if "://" in endpoint else f"; did you mean 'tcp://{endpoint}'?"
-        raise ConfigError(f"endpoint {endpoint!r} is not of the form {FORM}{hint}")
+        raise ConfigError(f"endpoint {endpoint!r} is not of the form {FORM}{_hint(endpoint)}")
     port = int(match["port"])
     if not 1 <= port <= 65535:
         raise ConfigError(f"endpoint {endpoint!r}: port {port} is outside [1, 65535]")
     return endpoint
+
+
+def _hint(endpoint: str) -> str:
+    """What the user probably meant: ``tcp://`` for a bare ``host:port``, and for an
+    ``http(s)://`` URL (the HTTP port serves the console and the API, not batches) the
+    data port, which is the HTTP port minus one by default (7400 next to 7401)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return f"; did you mean 'tcp://{endpoint}'?"
+    if scheme.lower() in ("http", "https"):
+        authority = rest.split("/", 1)[0]
+        host = authority.rsplit(":", 1)[0] if not authority.endswith("]") else authority
+        return (
+            f"; trainers speak ZeroMQ, not HTTP: did you mean 'tcp://{host or 'HOST'}:7400'? "
+            "(the server's data port, --zmq-port, 7400 by default; its HTTP port, "
+            "--http-port, serves the API and the console)"
+        )
+    return ""
 
 
 def split_tcp(endpoint: str) -> tuple[str, int]:

@@ -156,9 +156,13 @@ class Tenants:
         """None if tenant ``name`` may read ``dataset``, else the error to send."""
         tenant = self.by_name.get(name)
         if tenant is None or not tenant.may_read(dataset):
+            # The tenant's own patterns, so a typo does not pass for a permission problem
+            # (and no other tenant's dataset names are shown).
+            readable = ", ".join(tenant.datasets) if tenant and tenant.datasets else "none"
             return DatasetForbidden(
-                f"tenant {name!r} may not read dataset {dataset!r}; ask the operator to add "
-                "it to the tenant's datasets in the tenants file"
+                f"tenant {name!r} may not read dataset {dataset!r}; it may read datasets "
+                f"matching: {readable}. Check the name, or ask the operator to add it to "
+                "the tenant's datasets in the tenants file"
             )
         return None
 

@@ -78,22 +78,53 @@ def _base_suffix(path: Path) -> str:
 
 
 def expand_inputs(inputs: Sequence[os.PathLike[str] | str]) -> list[Path]:
-    """Resolve input files and directories into the ordered list of files to read."""
+    """Resolve input files and directories into the ordered list of files to read.
+
+    A directory contributes only the files of a known text suffix (see the module
+    doc); the others are not read, and a warning names how many of each suffix were
+    left out, so a code corpus of ``.py`` files does not vanish silently: name such
+    files explicitly (a file given by name is always read, as one document).
+    """
     files: list[Path] = []
     for raw in inputs:
         path = Path(raw)
         if path.is_dir():
-            for root, dirs, names in os.walk(path):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for name in sorted(names):
-                    child = Path(root) / name
-                    if not name.startswith(".") and _base_suffix(child) in _WALKED:
-                        files.append(child)
+            skipped: dict[str, int] = {}
+            files += _walk(path, skipped)
+            if skipped:
+                log.warning("%s", skipped_message(path, skipped))
         elif path.exists():
             files.append(path)
         else:
             raise PrepareError(f"input {path} does not exist")
     return files
+
+
+def _walk(directory: Path, skipped: dict[str, int]) -> list[Path]:
+    """The files a walk of ``directory`` reads, in order; counts the others by suffix."""
+    found: list[Path] = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            child = Path(root) / name
+            if name.startswith("."):
+                continue
+            suffix = _base_suffix(child)
+            if suffix in _WALKED:
+                found.append(child)
+            else:
+                skipped[suffix or "(none)"] = skipped.get(suffix or "(none)", 0) + 1
+    return found
+
+
+def skipped_message(directory: Path, skipped: dict[str, int]) -> str:
+    """The warning for files of unknown suffixes left out of a directory walk."""
+    counts = ", ".join(f"{s} ({n})" for s, n in sorted(skipped.items(), key=lambda i: -i[1]))
+    return (
+        f"{directory}: {sum(skipped.values())} file(s) not read, of suffixes {counts}: a "
+        f"directory contributes only {' '.join(_WALKED)} files (and their .gz/.zst forms); "
+        "name other files explicitly to read each as one document"
+    )
 
 
 def walked(relpath: str) -> bool:
@@ -179,7 +210,10 @@ def count_bad(bad: BadRecord, *, skip_bad: bool, stats: CorpusStats) -> None:
         raise bad
     stats.bad_records += 1
     if stats.bad_records <= MAX_LOGGED_BAD:
-        log.warning("skipped bad record: %s", bad)
+        # The record's message advises --skip-bad, which is what is running now.
+        log.warning("skipped bad record: %s", str(bad).removesuffix(_SKIP_HINT))
+        if stats.bad_records == MAX_LOGGED_BAD:
+            log.warning("further bad records are skipped without a line each (counted)")
 
 
 def iter_file_records(
@@ -206,9 +240,12 @@ def iter_file_records(
 _Item: TypeAlias = "tuple[int, str | BadRecord]"
 
 
+_SKIP_HINT = "; fix or remove it, or pass --skip-bad to skip it"
+
+
 def _bad(path: Path, line: int | None, what: str) -> BadRecord:
     where = f"{path}:{line}" if line is not None else str(path)
-    return BadRecord(f"{where}: {what}; fix or remove it, or pass --skip-bad to skip it")
+    return BadRecord(f"{where}: {what}{_SKIP_HINT}")
 
 
 def _read_error(path: Path, exc: Exception) -> BadRecord:

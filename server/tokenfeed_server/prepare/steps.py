@@ -66,7 +66,9 @@ def check_and_list_inputs(config: PrepareConfig) -> list[Path]:
     files = expand_inputs(config.inputs)
     if not files:
         raise PrepareError(
-            f"no input files found in {', '.join(map(str, config.inputs)) or '(no inputs)'}"
+            f"no input files found in {', '.join(map(str, config.inputs)) or '(no inputs)'}: "
+            "a directory contributes only .txt .text .md .rst .jsonl .ndjson .parquet files "
+            "(and .gz/.zst forms); name other files explicitly"
         )
     config.store.mkdir(parents=True, exist_ok=True)
     for stale in clean_stale_temp_dirs(config.store):
