@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,7 +39,7 @@ from tokenfeed.training.consumed import ConsumedCounter
 from tokenfeed.transport.answer import Answer
 from tokenfeed.transport.client import FeedClient
 from tokenfeed.transport.replicas import Replicas
-from tokenfeed.window import pack_requests
+from tokenfeed.window import Request, pack_requests
 
 __all__ = ["TokenFeedDataset"]
 
@@ -199,6 +200,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
         #: the training loop's consumed position, told to the server on every get and
         #: bye; set while iterated directly or by TokenFeedLoader (None: not known)
         self.consumed: ConsumedCounter | None = None
+        #: stream ranges skipped on purpose at a resume: ``[(position, samples)]``
+        self.skipped: list[tuple[int, int]] = []
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -261,6 +264,31 @@ class TokenFeedDataset(IterableDataset[Batch]):
             consumed=self._take_consumed,
             stop=stop,
         )
+
+    def read_at(self, position: int, count: int = 1, *, run: str | None = None) -> Answer:
+        """This rank's rows of the ``count`` global batches at stream ``position``, read
+        once over a connection of their own; the dataset's position does not move.
+
+        For a look at what a step saw (after a loss spike): the rows come from the
+        dataset build this dataset is pinned to (a loaded state's), with their window
+        ids, epochs and, for a mixture, sources. ``run`` is the job to read as; by default
+        a fresh one, so that the look never touches a running job's counters.
+        """
+        if type(position) is not int or position < 0 or type(count) is not int or count < 1:
+            raise ConfigError(f"need position >= 0 and count >= 1, got {position}, {count}")
+        job = dataclasses.replace(self.job, run=run or f"look-{uuid.uuid4().hex[:16]}")
+        with FeedClient(
+            self.endpoints,
+            job,
+            rank=self.rank,
+            worker=0,
+            slot=0,
+            options=self.options,
+            fingerprint=self.fingerprint,
+            source_fingerprints=self.source_fingerprints,
+        ) as client:
+            self._learn(client.hello())
+            return next(iter(client.stream([Request(position, count)])))
 
     def _take_consumed(self) -> int:
         return -1 if self.consumed is None else self.consumed.take()
@@ -430,6 +458,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
             "block_sizes": {name: list(sizes) for name, sizes in self.block_sizes.items()},
             "run": self.job.run,
         }
+        if self.skipped:
+            state["skipped"] = [list(r) for r in self.skipped]
         if self.mixture is None:
             state["dataset"] = self.job.dataset
             state["fingerprint"] = self.fingerprint
@@ -443,9 +473,14 @@ class TokenFeedDataset(IterableDataset[Batch]):
             del state["worker"]["start"]  # it is the state's position
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, skip_batches: int = 0) -> None:
         """Continue from a saved position; batch_size, world_size and the number of
         workers may differ: the global stream continues identically.
+
+        ``skip_batches`` (after a loss spike) leaves out the next that many global
+        batches of the stream, exactly: everything else is still read once. The skipped
+        range is recorded in :meth:`state_dict` (``skipped``: ``[position, samples]``
+        pairs, kept across later resumes), so which steps saw what stays known.
 
         The state's dataset builds are pinned: reading resumes only from a server with the
         same builds, else :class:`~tokenfeed.errors.DatasetChanged` says what changed (for
@@ -455,8 +490,18 @@ class TokenFeedDataset(IterableDataset[Batch]):
         (a new or changed later segment: an anneal decided now), never before it.
         """
         position = resume.check_plan(state_dict, self.job)
+        skipped = resume.check_skipped(state_dict)
         if "worker" in state_dict:  # one DataLoader worker's state (StatefulDataLoader)
+            if skip_batches:
+                raise ConfigError(
+                    "skip_batches needs the whole rank's state: a StatefulDataLoader saves "
+                    "one per worker; checkpoint with TokenFeedLoader to skip batches"
+                )
             position = self._worker_resume(state_dict["worker"], position)
+        if type(skip_batches) is not int or skip_batches < 0:
+            raise ConfigError(f"skip_batches must be an integer >= 0, got {skip_batches!r}")
+        if skip_batches:
+            skipped.append((position, skip_batches * self.global_batch))
         required = resume.check_block_sizes(state_dict.get("block_sizes", {}), self.job)
         if self.mixture is None:
             fingerprint = resume.check_dataset(state_dict, self.job)
@@ -464,7 +509,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
             fingerprints = resume.check_mixture(state_dict, position, self.mixture)
         run = resume.check_run(state_dict)
         # Everything checked: only now change this dataset.
-        self.position = position
+        self.position = position + (skip_batches * self.global_batch)
+        self.skipped = skipped
         if run is not None:  # the saved run's job, not this launch's new one
             self.job = dataclasses.replace(self.job, run=run)
         self._required_block_sizes = required

@@ -155,12 +155,14 @@ class TokenFeedLoader:
         :meth:`TokenFeedDataset.state_dict <tokenfeed.dataset.TokenFeedDataset.state_dict>`)."""
         return self.dataset.state_dict(self.position)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, skip_batches: int = 0) -> None:
         """Continue from ``state_dict`` at the next ``iter()`` (with any ``num_workers``,
         ``batch_size`` or ``world_size``; a mixture's schedule may differ after the saved
         position); raises ConfigError, before changing anything, for a state that does not
-        continue this loader's stream."""
-        self.dataset.load_state_dict(state_dict)
+        continue this loader's stream. ``skip_batches`` leaves out the next that many
+        global batches (see :meth:`TokenFeedDataset.load_state_dict
+        <tokenfeed.dataset.TokenFeedDataset.load_state_dict>`)."""
+        self.dataset.load_state_dict(state_dict, skip_batches=skip_batches)
         self.position = self.dataset.position
 
 

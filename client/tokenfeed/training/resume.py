@@ -22,6 +22,7 @@ __all__ = [
     "check_plan",
     "check_required_block_sizes",
     "check_run",
+    "check_skipped",
     "welcome_block_sizes",
 ]
 
@@ -46,6 +47,21 @@ def check_plan(state_dict: dict[str, Any], job: JobSpec) -> int:
             f"stream: pass shuffle={shuffle!r}"
         )
     return position
+
+
+def check_skipped(state_dict: dict[str, Any]) -> list[tuple[int, int]]:
+    """The stream ranges a run skipped on purpose, ``[(position, samples), ...]`` in the
+    order they were skipped (none for a state saved before skipping existed)."""
+    skipped = state_dict.get("skipped", [])
+    ok = isinstance(skipped, list) and all(
+        isinstance(r, (list, tuple)) and len(r) == 2 and all(type(v) is int and v >= 0 for v in r)
+        for r in skipped
+    )
+    if not ok:
+        raise ConfigError(
+            f"state has no valid 'skipped' (a list of [position, samples]): {skipped!r}"
+        )
+    return [(int(a), int(n)) for a, n in skipped]
 
 
 def check_run(state_dict: dict[str, Any]) -> str | None:
