@@ -2,9 +2,10 @@
 
 Alice (weight 1) reads with four connections; against her, one connection of Bob (weight
 3) and, in a second run, one of Carol (weight 1), on a server whose egress is capped so
-that the jobs compete. The deficit round robin itself is unit-tested without sockets
-(``tests/test_scheduler.py``); this measures the whole path and prints the ratio, which
-should be near the weight ratio (3.0 and 1.0).
+that the jobs compete; in a third, alice spreads over 16 jobs against Carol's one (the
+share is per tenant: still 1.0, where per-job fair share gave Carol 1/16). The deficit
+round robin itself is unit-tested without sockets (``tests/test_scheduler.py``); this
+measures the whole path and prints the ratio, which should be near the weight ratio.
 
     .venv/bin/python benchmarks/bench_fairness.py            # 4 s per pair
     .venv/bin/python benchmarks/bench_fairness.py --quick    # 2 s per pair
@@ -66,14 +67,16 @@ def served_by_tenant(http: str) -> collections.Counter[str]:
     return out
 
 
-def share(srv: ServerProcess, other: str, seconds: float) -> float:
-    """Tokens served to ``other`` per token served to alice while both are backlogged."""
+def share(srv: ServerProcess, other: str, seconds: float, alice_jobs: int = 1) -> float:
+    """Tokens served to ``other`` per token served to alice while both are backlogged;
+    alice reads with four connections to one job, or one connection to each of
+    ``alice_jobs`` jobs (other seeds: the way a script that opens many jobs reads)."""
     stop = threading.Event()
     errors: list[BaseException] = []
 
-    def pull(tenant: str, worker: int) -> None:
+    def pull(tenant: str, worker: int, seed: int = 0) -> None:
         options = ClientOptions(token=TOKENS[tenant], window=8, deadline=30.0)
-        job = JobSpec("alpha", 1023, 8, 0, 1)
+        job = JobSpec("alpha", 1023, 8, seed, 1)
         try:
             with FeedClient(srv.zmq, job, rank=0, worker=worker, options=options) as c:
                 count = c.hello().max_count
@@ -84,7 +87,10 @@ def share(srv: ServerProcess, other: str, seconds: float) -> float:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=pull, args=("alice", w)) for w in range(4)]
+    if alice_jobs == 1:
+        threads = [threading.Thread(target=pull, args=("alice", w)) for w in range(4)]
+    else:
+        threads = [threading.Thread(target=pull, args=("alice", 0, s)) for s in range(alice_jobs)]
     threads.append(threading.Thread(target=pull, args=(other, 0)))
     for t in threads:
         t.start()
@@ -110,15 +116,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tenants = make_store(Path(tmp))
         extra = ["--tenants", str(tenants), "--max-tokens-per-s", "8000000"]
-        print(f"{'pair':<14} {'weights':>8} {'served ratio':>13}")
-        for other in ("bob", "carol"):
+        print(f"{'pair':<26} {'weights':>8} {'served ratio':>13}")
+        for other, jobs in (("bob", 1), ("carol", 1), ("carol", 16)):
             srv = ServerProcess(Path(tmp), extra=extra).start()
             try:
-                ratio = share(srv, other, seconds)
+                ratio = share(srv, other, seconds, alice_jobs=jobs)
             finally:
                 srv.stop()
             expected = WEIGHTS[other] / WEIGHTS["alice"]
-            print(f"{other + '/alice':<14} {expected:>8.1f} {ratio:>13.3f}")
+            pair = f"{other}/alice ({jobs} job{'s' if jobs > 1 else ''})"
+            print(f"{pair:<26} {expected:>8.1f} {ratio:>13.3f}")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,41 @@ def test_shares_follow_weights_not_queue_depth() -> None:
     assert served["carol"] == served["alice"] == 50 * 1000
 
 
+def test_a_tenant_keeps_its_share_whatever_the_jobs_another_opens() -> None:
+    q: FairQueue[str, int] = FairQueue(quantum=1000)
+    for i in range(16):  # alice spreads her workers over 16 jobs
+        q.add(f"alice-{i}", 1.0, group="alice")
+        for _ in range(400):
+            q.push(f"alice-{i}", 100)
+    q.add("bob-0", 1.0, group="bob")
+    for _ in range(4000):
+        q.push("bob-0", 100)
+    served = run(q, 40)
+    alice = sum(v for k, v in served.items() if k.startswith("alice"))
+    assert served["bob-0"] == alice == 40 * 1000  # half each, not 1/17 for bob
+    # alice's jobs split her half evenly (within one quantum)
+    per_job = [served[f"alice-{i}"] for i in range(16)]
+    assert max(per_job) - min(per_job) <= 1000
+
+
+def test_tenant_weights_split_among_their_jobs() -> None:
+    q: FairQueue[str, int] = FairQueue(quantum=1000)
+    q.add("a-1", 1.0, group="a")
+    q.add("a-2", 1.0, group="a")
+    q.add("b-1", 2.0, group="b")
+    for key in ("a-1", "a-2", "b-1"):
+        for _ in range(2000):
+            q.push(key, 100)
+    served = run(q, 30)
+    assert served["b-1"] == 2 * (served["a-1"] + served["a-2"]) == 60_000
+    assert served["a-1"] == served["a-2"]
+    q.remove("a-1")  # the group lives on with its other job
+    assert "a-1" not in q and len(q) == q.queued("a-2") + q.queued("b-1") == 2 * 2000 - 750
+    q.remove("a-2")
+    served = run(q, 1)
+    assert set(served) == {"b-1"}
+
+
 def test_idle_flows_bank_no_credit() -> None:
     q: FairQueue[str, int] = FairQueue(quantum=100)
     q.add("busy")

@@ -35,9 +35,10 @@ class Registry:
     # -- jobs ------------------------------------------------------------------------
 
     def add_job(self, job: Job) -> None:
-        """Start tracking ``job``, with its tenant's weight in the fair queue."""
+        """Start tracking ``job`` in its tenant's group of the fair queue (the tenant's
+        weight is its group's share; its jobs split it)."""
         self.jobs[job.id] = job
-        self.queue.add(job.id, job.weight)
+        self.queue.add(job.id, job.weight, group=job.tenant)
 
     def drop_job(self, jid: str) -> None:
         """Forget job ``jid`` and its queue."""
