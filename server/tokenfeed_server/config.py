@@ -84,7 +84,16 @@ class Limits(BaseModel):
         default=1024, ge=1, description="connections one tenant may have attached at once"
     )
     max_jobs: int = Field(
-        default=256, ge=1, description="jobs known at once; idle ones are forgotten first"
+        default=256,
+        ge=1,
+        description="jobs known at once; a tenant's own idle jobs make room for its new one, "
+        "never another tenant's",
+    )
+    max_jobs_per_tenant: int = Field(
+        default=64,
+        ge=1,
+        description="jobs one tenant may have at once (a tenants file may set its own); "
+        "its idle ones are forgotten first",
     )
 
     def as_dict(self) -> dict[str, int]:

@@ -14,11 +14,13 @@ from typing import Any
 from tokenfeed import protocol
 from tokenfeed.errors import (
     ConnectionLimit,
+    DatasetChanged,
     DatasetNotFound,
     InvalidDatasetName,
     ProtocolError,
     RequestRejected,
     ServerError,
+    StorageUnavailable,
     StoreError,
     UnknownDataset,
 )
@@ -30,6 +32,7 @@ from tokenfeed_server.dataplane.registry import Registry
 from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store import Dataset, Store, wire_error
 from tokenfeed_server.store.mixing import Feed, open_feed
+from tokenfeed_server.store.pinned import VersionGone, VersionOpening
 from tokenfeed_server.store.remote import RemoteDataset
 
 __all__ = ["Admission"]
@@ -120,9 +123,20 @@ class Admission:
 
         A mixture's hello names its sources: each is looked up and checked (build,
         tokenizer) and gets its own plan (see :func:`~tokenfeed_server.store.mixing.open_feed`).
+
+        Each source is read in the version the hello pins (its fingerprint: from a
+        checkpoint, or the welcome of an earlier connection), kept while the store keeps
+        it, the current one when it pins none: a job reads the build it started on until
+        it ends, whatever was published since, and its job id stays the same.
         """
         names = msg.sources or (msg.dataset,)
-        feed = open_feed([self._dataset(tenant, name) for name in names], msg)
+        # a mixture's hello pins each source (none: an older client's, or a new job)
+        pins = tuple(msg.fingerprints) if msg.sources else (msg.fingerprint,)
+        datasets = [
+            self._dataset(tenant, name, pins[i] if i < len(pins) else "")
+            for i, name in enumerate(names)
+        ]
+        feed = open_feed(datasets, msg)
         spec = _job_spec(msg, feed)
         jid = job_id(spec, feed, tenant)
         job = self.registry.jobs.get(jid)
@@ -135,7 +149,11 @@ class Admission:
                 job.consumed = -1
             return job
         max_count = _max_count(self.config, msg, feed)
-        self.registry.make_room_for_a_job(self.config.limits.max_jobs)
+        limits = self.config.limits
+        own_cap = self.tenants.max_jobs(tenant) if self.tenants is not None else None
+        self.registry.make_room_for_a_job(
+            limits.max_jobs, tenant, own_cap or limits.max_jobs_per_tenant
+        )
         weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
         job = Job(jid, spec, feed, tenant, weight=weight, max_count=max_count)
         self.registry.add_job(job)
@@ -143,9 +161,13 @@ class Admission:
             log.info("job %s: %s (tenant %s, run %s)", jid, spec, tenant, spec.run or "-")
         return job
 
-    def _dataset(self, tenant: str, name: str) -> Dataset:
+    def _dataset(self, tenant: str, name: str, fingerprint: str) -> Dataset:
         try:
-            return self.store.get(name)
+            return self.store.version(name, fingerprint)
+        except VersionOpening as exc:  # opened off the loop: the client asks again
+            raise StorageUnavailable(str(exc), retry=True) from None
+        except VersionGone as exc:
+            raise DatasetChanged(str(exc)) from None
         except DatasetNotFound:
             # Name only what this tenant may read, and never the store's path.
             names = [

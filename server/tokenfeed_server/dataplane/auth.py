@@ -25,6 +25,7 @@ the field::
     token_sha256 = "..."              # or token = "..." (needed for CURVE)
     datasets = ["web-*", "code"]      # names or glob patterns; default: none
     max_connections = 64              # default: the server's per-tenant limit
+    max_jobs = 16                     # default: --max-jobs-per-tenant
     weight = 2.0                      # fair-share weight; default 1
 """
 
@@ -74,6 +75,7 @@ class Tenant:
     token_sha256: str
     datasets: tuple[str, ...] = ("*",)
     max_connections: int | None = None
+    max_jobs: int | None = None
     weight: float = 1.0
     curve_public_key: bytes | None = None
 
@@ -166,6 +168,11 @@ class Tenants:
             )
         return None
 
+    def max_jobs(self, name: str) -> int | None:
+        """The tenant's own job cap, if it has one."""
+        tenant = self.by_name.get(name)
+        return tenant.max_jobs if tenant else None
+
     def max_connections(self, name: str) -> int | None:
         """The tenant's own connection cap, if it has one."""
         tenant = self.by_name.get(name)
@@ -187,6 +194,7 @@ class TenantEntry(BaseModel):
     # a list, never a string: "web-*" read letter by letter would grant "*"
     datasets: list[NamePattern] = Field(default_factory=list)
     max_connections: int | None = Field(default=None, ge=1)
+    max_jobs: int | None = Field(default=None, ge=1)
     weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
@@ -213,6 +221,7 @@ _EXPECTED = {
     "admin_token_sha256": "64 lowercase hex digits (the SHA-256 of the admin token)",
     "datasets": "a list of name patterns",
     "max_connections": "an integer >= 1",
+    "max_jobs": "an integer >= 1",
     "weight": "a number > 0",
     "tenant": "a list of [[tenant]] tables",
 }
@@ -284,6 +293,7 @@ def _tenant(entry: TenantEntry) -> Tenant:
         token_sha256=entry.token_sha256 or token_digest(entry.token or ""),
         datasets=tuple(entry.datasets),
         max_connections=entry.max_connections,
+        max_jobs=entry.max_jobs,
         weight=entry.weight,
         curve_public_key=curve_keypair_from_token(entry.token)[0] if entry.token else None,
     )

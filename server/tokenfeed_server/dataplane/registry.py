@@ -49,22 +49,31 @@ class Registry:
         """True if a connection is attached to job ``jid``."""
         return any(p.job == jid for p in self.peers.values())
 
-    def make_room_for_a_job(self, cap: int) -> None:
-        """Forget the longest-idle jobs no connection uses until a new one fits under
-        ``cap``; ConnectionLimit (retryable) when the busy ones alone fill it."""
-        if len(self.jobs) < cap:
-            return
+    def make_room_for_a_job(self, cap: int, tenant: str = "", tenant_cap: int = 0) -> None:
+        """Make room for a new job of ``tenant`` under the server's ``cap`` and the
+        tenant's own ``tenant_cap`` (0: none) by forgetting that tenant's longest-idle
+        jobs (no connection, nothing queued); never another tenant's, so one tenant can
+        not push the others out. ConnectionLimit (retryable) names the cap still full."""
         attached = {p.job for p in self.peers.values()}
+        own = [j for j in self.jobs.values() if j.tenant == tenant]
         idle = sorted(
-            (j for j in self.jobs.values() if j.id not in attached and not self.queue.queued(j.id)),
+            (j for j in own if j.id not in attached and not self.queue.queued(j.id)),
             key=lambda j: j.last_active,
         )
-        for job in idle[: len(self.jobs) - cap + 1]:
+        excess = max(len(self.jobs) - cap + 1, len(own) - tenant_cap + 1 if tenant_cap else 0, 0)
+        for job in idle[:excess]:
             self.drop_job(job.id)
+        if tenant_cap and len(own) - min(excess, len(idle)) >= tenant_cap:
+            raise ConnectionLimit(
+                f"tenant {tenant!r} runs max_jobs_per_tenant={tenant_cap} jobs with "
+                "connections; end some (or let them go idle), or ask the operator to raise "
+                "the tenant's max_jobs",
+                retry=True,
+            )
         if len(self.jobs) >= cap:
             raise ConnectionLimit(
-                f"the server runs max_jobs={cap} active jobs; try again later or ask the "
-                "operator to raise the limit",
+                f"the server runs max_jobs={cap} jobs, none of them an idle one of tenant "
+                f"{tenant!r}; try again later or ask the operator to raise the limit",
                 retry=True,
             )
 
