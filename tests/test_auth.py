@@ -109,8 +109,12 @@ def test_token_digests_are_checked_everywhere(tmp_path: Path) -> None:
 
 def test_tokens(tmp_path: Path) -> None:
     message = _refusal(tmp_path, '[[tenant]]\nname = "alice"\ntoken = "short"\n')
-    assert "tenant 'alice': token: must be a string of at least 16 characters" in message
+    assert "tenant 'alice': token: must be 16-256 visible ASCII characters" in message
     assert "short" not in message.split("token:")[1]  # a token is never echoed
+    # one rule on every port: a space or a non-ASCII letter passes ZeroMQ but not HTTP
+    for bad in ("a token with spaces in it", "tökentökentökentöken"):
+        message = _refusal(tmp_path, f'[[tenant]]\nname = "alice"\ntoken = "{bad}"\n')
+        assert "visible ASCII" in message and bad not in message
     both = (
         f'[[tenant]]\nname = "alice"\ntoken = "{ALICE}"\ntoken_sha256 = "{token_digest(ALICE)}"\n'
     )

@@ -107,6 +107,13 @@ def test_an_http_url_points_at_the_data_port(endpoint: str, meant: str) -> None:
     assert "not HTTP" in str(refused.value)
 
 
+@pytest.mark.parametrize("token", ["short", "a token with spaces in it", "tökentökentökentöken"])
+def test_a_token_follows_the_one_rule_of_every_port(token: str) -> None:
+    with pytest.raises(ConfigError, match="visible ASCII") as refused:
+        ClientOptions(token=token)
+    assert token not in str(refused.value)
+
+
 def test_a_failed_connect_leaves_no_socket_to_hang_the_process() -> None:
     # Before the fix the process hung for ever in ctx.term() at exit: a child process
     # with a timeout is the only honest test. The second case reaches the connect failure

@@ -113,8 +113,26 @@ def test_missing_store_names_both_spellings(tmp_path: Path) -> None:
 
 def test_a_bad_token_is_refused_without_echoing_it(tmp_path: Path) -> None:
     line = _refused(tmp_path, ["serve", "--store", str(tmp_path)], {"TOKENFEED_TOKEN": "hunter2"})
-    assert "--token / TOKENFEED_TOKEN: must be a string of at least 16 characters" in line
+    assert "--token / TOKENFEED_TOKEN: a token must be 16-256 visible ASCII" in line
     assert "hunter2" not in line
+    spaced = "a token with spaces in it"
+    line = _refused(tmp_path, ["serve", "--store", str(tmp_path), "--admin-token", spaced], {})
+    assert "--admin-token / TOKENFEED_ADMIN_TOKEN: a token must be" in line
+    assert spaced not in line
+
+
+def test_tokens_come_from_files(tmp_path: Path) -> None:
+    (tmp_path / "token").write_text("a-long-enough-token-0123\n")
+    c = ServerConfig(store=str(tmp_path), token_file=tmp_path / "token")
+    assert c.token == "a-long-enough-token-0123"
+    with pytest.raises(ValueError, match="give --token or --token-file, not both"):
+        ServerConfig(
+            store=str(tmp_path), token="b-long-enough-token-0123", token_file=tmp_path / "token"
+        )
+    (tmp_path / "short").write_text("abc")
+    with pytest.raises(ValueError, match="a token must be") as refused:
+        ServerConfig(store=str(tmp_path), admin_token_file=tmp_path / "short")
+    assert "abc" not in str(refused.value).replace("admin", "")
 
 
 def test_help_shows_the_twin_the_range_and_the_real_default() -> None:
@@ -218,7 +236,8 @@ def test_every_setting_has_one_flag_and_one_twin() -> None:
     assert flags == {
         "--store", "--host", "--zmq-port", "--http-port", "--chunk-bytes", "--peer-timeout-s",
         "--job-ttl-s", "--verify-checksums", "--log-level", "--tenants", "--token",
-        "--admin-token", "--insecure", "--curve-secret-key", "--max-tokens-per-s",
+        "--admin-token", "--token-file", "--admin-token-file", "--insecure",
+        "--curve-secret-key", "--max-tokens-per-s",
         "--cache-dir", "--cache-size", "--remote-scan-interval-s",
         *(f"--{name.replace('_', '-')}" for name in Limits.model_fields),
         *(f"--{name.replace('_', '-')}" for name in CacheSettings.model_fields),

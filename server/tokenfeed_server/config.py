@@ -19,8 +19,9 @@ import ipaddress
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from tokenfeed.protocol.constants import TOKEN, TOKEN_RULE
 from tokenfeed_server.flags import (
     Setting,
     Spelling,
@@ -57,6 +58,24 @@ DEFAULT_ZMQ_PORT = 7400
 DEFAULT_HTTP_PORT = 7401
 
 Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+def token_rule(value: str | None) -> str | None:
+    """A token as every port accepts it (see :data:`tokenfeed.protocol.TOKEN`); the
+    refusal never shows the token."""
+    if value is not None and not TOKEN.fullmatch(value):
+        raise ValueError(f"a token must be {TOKEN_RULE}")
+    return value
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path`` (surrounding whitespace and a final newline stripped)."""
+    try:
+        return path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the token file {path}: {exc}") from None
+
+
 LogLevel = Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(lowercase)]
 
 
@@ -259,11 +278,20 @@ class ServerConfig(BaseModel):
     tenants_file: Annotated[Path | None, Spelling(flag="--tenants")] = Field(
         default=None, description="TOML tenants file: tokens, datasets, caps, weights"
     )
-    token: str | None = Field(
-        default=None, min_length=16, repr=False, description="one shared client token (a secret)"
+    token: Annotated[str | None, AfterValidator(token_rule)] = Field(
+        default=None,
+        repr=False,
+        description="one shared client token (a secret; prefer TOKENFEED_TOKEN or "
+        "--token-file to the command line, which other users see in the process list)",
     )
-    admin_token: str | None = Field(
+    token_file: Path | None = Field(
+        default=None, description="file holding the shared client token (instead of --token)"
+    )
+    admin_token: Annotated[str | None, AfterValidator(token_rule)] = Field(
         default=None, repr=False, description="token that sees every job and dataset over HTTP"
+    )
+    admin_token_file: Path | None = Field(
+        default=None, description="file holding the admin token (instead of --admin-token)"
     )
     insecure: bool = Field(
         default=False, description="serve without authentication on a non-loopback address (loudly)"
@@ -275,6 +303,20 @@ class ServerConfig(BaseModel):
     max_tokens_per_s: int = Field(
         default=0, ge=0, description="cap on the tokens sent per second (0: none)"
     )
+
+    @model_validator(mode="after")
+    def _tokens_from_files(self) -> ServerConfig:
+        # A file's token replaces the field (the model is frozen: set it the one way
+        # pydantic allows during validation); the same rule then applies to it.
+        for name in ("token", "admin_token"):
+            path = getattr(self, f"{name}_file")
+            if path is None:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if getattr(self, name) is not None:
+                raise ValueError(f"give {flag} or {flag}-file, not both")
+            object.__setattr__(self, name, token_rule(read_token_file(path)))
+        return self
 
     def is_loopback(self) -> bool:
         """True when the server listens on loopback only."""

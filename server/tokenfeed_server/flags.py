@@ -240,6 +240,8 @@ def explain(error: ValidationError, model: type[BaseModel]) -> str:
     if first["type"] == "missing":
         return f"{where}: required (pass {setting.flag} or set {setting.env}){more}"
     got = "" if setting.secret else f" (got {_shown(first['input'])})"
+    if first["type"] == "value_error":  # a rule of its own: its message says it
+        return f"{where}: {str(first['msg']).removeprefix('Value error, ')}{got}{more}"
     return f"{where}: must be {setting.valid()}{got}{more}"
 
 

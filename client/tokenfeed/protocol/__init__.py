@@ -183,6 +183,8 @@ from tokenfeed.protocol.constants import (
     ROW_SOURCE,
     ROW_WINDOW,
     RUN_ID,
+    TOKEN,
+    TOKEN_RULE,
     SHUFFLES,
     VERSION,
 )
@@ -213,6 +215,8 @@ __all__ = [
     "ROW_SOURCE",
     "ROW_WINDOW",
     "RUN_ID",
+    "TOKEN",
+    "TOKEN_RULE",
     "SHUFFLES",
     "VERSION",
     "Bye",

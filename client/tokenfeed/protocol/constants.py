@@ -27,6 +27,12 @@ DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: torchrun rendezvous id, a scheduler's job id), at most 128 characters.
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
+#: What a token may hold, on every port: 16-256 visible ASCII characters, no spaces. The
+#: same bytes then pass ZeroMQ's PLAIN handshake and an HTTP ``Authorization`` header (a
+#: token with a space or a non-ASCII letter worked on one and failed on the other).
+TOKEN = re.compile(r"[\x21-\x7e]{16,256}")
+TOKEN_RULE = "16-256 visible ASCII characters (letters, digits, punctuation; no spaces)"
+
 #: The fixed list of error codes an ``err`` may carry (see :mod:`tokenfeed.errors`).
 ERROR_CODES = frozenset(
     {

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenfeed.errors import ConfigError
+from tokenfeed.protocol.constants import TOKEN, TOKEN_RULE
 
 __all__ = ["ClientOptions"]
 
@@ -28,6 +29,11 @@ class ClientOptions:
             value = getattr(self, name)
             if type(value) is not int or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.token is not None and not (
+            isinstance(self.token, str) and TOKEN.fullmatch(self.token)
+        ):
+            # never echo the token: it is a secret even when malformed
+            raise ConfigError(f"token must be {TOKEN_RULE}; this one is not")
         for name in ("request_timeout", "deadline", "warn_after"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:

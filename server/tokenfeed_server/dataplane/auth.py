@@ -43,12 +43,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import zmq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 from zmq.utils import z85
 
 from tokenfeed.errors import ConfigError, DatasetForbidden, ServerError
-from tokenfeed.protocol import curve_keypair_from_token
+from tokenfeed.protocol import TOKEN_RULE, curve_keypair_from_token
+from tokenfeed_server.config import token_rule
 from tokenfeed_server.logbudget import LogBudget
 
 if sys.version_info >= (3, 11):
@@ -189,7 +197,7 @@ class TenantEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     name: str = Field(min_length=1)
-    token: str | None = Field(default=None, min_length=16, repr=False)
+    token: Annotated[str | None, AfterValidator(token_rule)] = Field(default=None, repr=False)
     token_sha256: Sha256Hex | None = None
     # a list, never a string: "web-*" read letter by letter would grant "*"
     datasets: list[NamePattern] = Field(default_factory=list)
@@ -216,7 +224,7 @@ class TenantsFile(BaseModel):
 #: what each field must be, in the words of the refusal
 _EXPECTED = {
     "name": "a non-empty string",
-    "token": "a string of at least 16 characters",
+    "token": TOKEN_RULE,
     "token_sha256": "64 lowercase hex digits (the SHA-256 of the token)",
     "admin_token_sha256": "64 lowercase hex digits (the SHA-256 of the admin token)",
     "datasets": "a list of name patterns",
