@@ -183,9 +183,9 @@ from tokenfeed.protocol.constants import (
     ROW_SOURCE,
     ROW_WINDOW,
     RUN_ID,
+    SHUFFLES,
     TOKEN,
     TOKEN_RULE,
-    SHUFFLES,
     VERSION,
 )
 from tokenfeed.protocol.curve import curve_keypair_from_token
