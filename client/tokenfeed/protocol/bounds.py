@@ -26,8 +26,15 @@ MAX_INT = (1 << 63) - 1
 
 
 def brief(value: object, limit: int = 80) -> str:
-    """``value`` for an error message, cut to ``limit`` characters (it may be hostile)."""
-    text = value if isinstance(value, str) else repr(value)
+    """``value`` for an error message, cut to ``limit`` characters (it may be hostile).
+
+    Control and non-ASCII characters are escaped (``\\n``, ``\\x1b``, ``\\u2028``): the
+    message goes to the server's log, where a raw newline would let a client forge lines.
+    """
+    if isinstance(value, str):
+        text = value.encode("unicode_escape").decode("ascii")
+    else:
+        text = repr(value).encode("ascii", "backslashreplace").decode("ascii")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
