@@ -98,7 +98,6 @@ def test_consumed_is_optional_on_get_and_bye() -> None:
         protocol.decode_header(dataclasses.replace(get, consumed=-2).header())
 
 
-
 def test_a_hostile_value_cannot_forge_log_lines() -> None:
     # a string where an integer belongs is named in the error, which the server logs
     forged = "5\n2026-12-04 INFO tokenfeed: job admin granted\x1b[2J"
@@ -107,6 +106,7 @@ def test_a_hostile_value_cannot_forge_log_lines() -> None:
     message = str(refused.value)
     assert "\n" not in message and "\x1b" not in message
     assert "\\n2026-12-04 INFO" in message  # shown, escaped
+
 
 def test_missing_required_field_is_named() -> None:
     raw = fields(HELLO)

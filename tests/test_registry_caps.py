@@ -7,6 +7,7 @@ covered end to end in tests/test_security.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -53,3 +54,13 @@ def test_a_tenant_cap_forgets_the_tenants_own_idle_jobs_first() -> None:
     with pytest.raises(ConnectionLimit, match=r"tenant 'alice' runs max_jobs_per_tenant=4"):
         reg.make_room_for_a_job(100, "alice", tenant_cap=4)
     reg.make_room_for_a_job(100, "bob", tenant_cap=4)  # bob is not limited by alice
+
+
+def test_renames_do_not_grow_a_jobs_resend_record() -> None:
+    reg = Registry(quantum=1000)
+    made = job(reg, "j", "alice")
+    for i in range(1000):  # one connection says hello again and again, under new names
+        hello = cast(Any, SimpleNamespace(client=f"name-{i}", rank=0, worker=0))
+        reg.register_peer(b"conn", "alice", hello, made, 4)
+        made.high_water.setdefault(f"name-{i}", {})[0] = i  # what a get would record
+    assert len(made.high_water) == 1 and len(reg.by_name) == 1 and len(reg.peers) == 1

@@ -108,8 +108,9 @@ class Registry:
         if old is not None and (old.job != job.id or old.name != msg.client):
             # One name per connection: a name left behind would let a later connection
             # under that name pass for this one's reconnect and evict it (and the table
-            # of names would grow with every rename).
-            self.forget_peer(ident)
+            # of names would grow with every rename). A renamed client's re-send marks go
+            # with its old name: kept, they grew the job's record with every rename.
+            self.forget_peer(ident, gone=old.name != msg.client)
             old = None
         peer = old or Peer(msg.client, job.id, msg.rank, msg.worker, tenant, window)
         peer.rank, peer.worker = msg.rank, msg.worker
