@@ -34,8 +34,10 @@ MARKUP_TENANT = "[bold red]mallory[/bold red]"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("store")
     docs = [np.arange(n, dtype=np.uint16) % 256 for n in range(100, 2100, 100)]
-    for name in ("alpha", "beta"):
+    for name in ("alpha", "beta", "gamma"):
         write_dataset(root, name, docs, tokenizer=BYTE, shuffle_seed=0)
+    shard = next((root / "gamma").glob("shard-*.bin"))
+    shard.write_bytes(shard.read_bytes()[:32])  # refused at start-up: listed unavailable
     tenants = tmp_path_factory.mktemp("conf") / "tenants.toml"
     tenants.write_text(
         tenants_toml(ADMIN, {"alice": (ALICE, ["alpha"]), MARKUP_TENANT: (MARKUP, ["beta"])})
@@ -119,8 +121,14 @@ def test_datasets_and_status_tables(server: LiveServer, capsys: pytest.CaptureFi
     assert code == 0
     table = {r[0]: r for r in rows(out)}
     tokens = sum(range(100, 2100, 100)) + 20  # every document ends with EOS
-    assert table["alpha"][1:4] == [f"{tokens:,}", "20", "byte"]  # tokens, documents, tokenizer
-    assert "beta" in table
+    # status, tokens, documents, tokenizer
+    assert table["alpha"][1:5] == ["ok", f"{tokens:,}", "20", "byte"]
+    assert table["beta"][1] == "ok"
+    assert table["gamma"][1:3] == ["unavailable", "-"]
+    # Under the table: what is wrong with each dataset that is not ok, since when.
+    [problem] = [line for line in out.splitlines() if line.startswith("gamma: ")]
+    assert problem.startswith("gamma: unavailable since ") and "UTC" in problem
+    assert "truncated" in problem and "shard-" in problem
     code, out, _ = run(capsys, "status", "--url", server.http, "--token", ADMIN)
     assert code == 0
     facts = {r[0]: r[1] for r in rows(out) if len(r) == 2}
@@ -163,3 +171,32 @@ def test_installed_command_exits_2(server: LiveServer) -> None:
         "tokenfeed-server status: error: the server refused the token "
         "(--token or TOKENFEED_TOKEN): unknown token"
     ]
+
+
+def test_problems_name_the_objects_and_an_old_server_still_renders() -> None:
+    from tokenfeed_server.http.admin_cli import render_datasets, render_problems
+
+    datasets = [
+        {"name": "web", "ok": False, "status": "unavailable", "since": 1000.0,
+         "error": "object missing", "objects": [
+             {"url": "s3://b/p/web/shard-1.bin", "kind": "missing"},
+             {"url": "s3://b/p/web/shard-2.bin", "kind": "damaged"}],
+         "fix": "repair it with tokenfeed-server inspect web --store s3://b/p ..."},
+        {"name": "code", "ok": True, "status": "degraded", "since": 1090.0,
+         "error": "connection refused", "objects": [], "tokens": 5, "documents": 1,
+         "tokenizer": {"kind": "byte", "vocab_size": 257, "eos_id": 256}, "shards": 1,
+         "created": "2026-01-01T00:00:00+00:00"},
+        {"name": "old", "ok": False, "error": "an older server: no status"},
+    ]  # fmt: skip
+    text = render_problems(datasets, now=1100.0)
+    assert text is not None
+    assert text.plain.splitlines() == [
+        "code: degraded since 1970-01-01 00:18:10 UTC (10s ago): connection refused",
+        "old: unavailable: an older server: no status",
+        "web: unavailable since 1970-01-01 00:16:40 UTC (2m ago): object missing",
+        "  missing  s3://b/p/web/shard-1.bin",
+        "  damaged  s3://b/p/web/shard-2.bin",
+        "  to fix: repair it with tokenfeed-server inspect web --store s3://b/p ...",
+    ]
+    assert render_problems([datasets[1] | {"status": "ok"}]) is None
+    assert render_datasets(datasets).row_count == 3

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,10 +24,13 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer, tenants_toml
+from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed_server.http.console import CONTENT_SECURITY_POLICY
 from tokenfeed_server.store import TokenizerInfo, write_dataset
+from tokenfeed_server.store.objects import ObjectStore, S3Location
+from tokenfeed_server.store.publish import publish_dataset
 
 pytestmark = pytest.mark.network
 
@@ -308,3 +312,57 @@ def test_trainers_were_real(trainers: Trainers, server: LiveServer) -> None:
             break
         threading.Event().wait(0.1)
     assert not trainers.errors
+
+
+@pytest.fixture(scope="module")
+def s3_console(
+    s3_server_module: S3Server,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LiveServer, str]]:
+    """An open server over a bucket: ``fine``, and ``lost`` whose first shard object was
+    deleted before the server started (it does not open); and that object's URL."""
+    s3 = s3_server_module
+    s3.make_bucket("console")
+    local = tmp_path_factory.mktemp("local")
+    docs = [np.arange(n, dtype=np.uint16) % 256 for n in range(100, 2100, 100)]
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in s3.env({}).items():
+            mp.setenv(key, value)
+        objects = ObjectStore(S3Location("console", "store"))
+        for name in ("fine", "lost"):
+            write_dataset(local, name, docs, tokenizer=BYTE, shuffle_seed=0, piece_bytes=4096)
+            manifest = publish_dataset(local / name, objects, name)
+    key = f"store/lost/{manifest.shards[0].name}"
+    s3.client.delete_object(Bucket="console", Key=key)
+    cache = tmp_path_factory.mktemp("cache")
+    command = [
+        sys.executable, "-m", "tokenfeed_server.cli", "serve", "--store", "s3://console/store",
+        "--host", "127.0.0.1", "--zmq-port", "0", "--http-port", "0",
+        "--cache-dir", str(cache / "c"), "--cache-size", str(4 << 20),
+    ]  # fmt: skip
+    with LiveServer(command=command, env=s3.env(), log_path=cache / "server.log") as srv:
+        yield srv, f"s3://console/{key}"
+
+
+@pytest.mark.timeout(120)
+def test_a_dataset_that_does_not_serve_shows_why_and_what_to_run(
+    browser: Any, s3_console: tuple[LiveServer, str]
+) -> None:
+    srv, url = s3_console
+    page = browser.new_context().new_page()
+    page.set_default_timeout(20_000)
+    page.goto(srv.http + "/")  # an open server: no token asked
+    lost = page.locator("#datasets tr[data-dataset=lost]")
+    expect(lost.locator("[data-field=status]")).to_have_text("unavailable")
+    expect(page.locator("#datasets tr[data-dataset=fine] [data-field=status]")).to_have_text("ok")
+    assert page.locator("#datasets tr[data-trouble=fine]").count() == 0
+    trouble = page.locator("#datasets tr[data-trouble=lost]")
+    expect(trouble.locator("[data-field=error]")).to_contain_text("shard object is missing")
+    expect(trouble.locator("[data-field=since]")).to_contain_text("since ")
+    named = trouble.locator("li[data-kind=missing]")
+    expect(named).to_have_count(1)
+    assert named.get_attribute("data-object") == url and url in named.text_content()
+    expect(trouble.locator("[data-field=fix]")).to_contain_text(
+        "tokenfeed-server inspect lost --store s3://console/store --verify --repair --source DIR"
+    )
+    page.context.close()

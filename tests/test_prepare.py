@@ -424,13 +424,13 @@ def test_cli_prepare_and_inspect(tmp_path: Path) -> None:
     data[100] ^= 1
     shard.write_bytes(bytes(data))
     r = _run("inspect", store / "cli")
-    assert r.returncode == 2
-    assert "shard-000001.bin" in r.stderr and "checksum" in r.stderr
+    assert r.returncode == 1  # a finding: listed on stdout, counted on stderr
+    assert "damaged  " in r.stdout and "shard-000001.bin" in r.stdout and "checksum" in r.stdout
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert _run("inspect", store / "cli", "--no-verify").returncode == 0
     shard.write_bytes(bytes(data[:-5]))
     r = _run("inspect", store / "cli", "--no-verify")
-    assert r.returncode == 2 and "truncated" in r.stderr
+    assert r.returncode == 1 and "shard-000001.bin" in r.stdout and "the manifest says" in r.stdout
 
 
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:

@@ -1,14 +1,18 @@
-"""Resuming after the dataset was rebuilt is refused, not silently trained on other data.
+"""Resuming after the dataset was rebuilt continues on the build the state was saved on
+while the store keeps it, and is refused, not silently trained on other data, once not.
 
 The whole path as a user walks it: ``prepare`` a corpus, serve it, train a few batches,
 save ``loader.state_dict()``, ``prepare --overwrite`` another corpus under the same name,
-restart the server, load the state, iterate. The state carries the dataset's fingerprint,
-so the last step raises :class:`DatasetChanged` naming both builds and how to start over.
+restart the server, load the state, iterate: the state carries the dataset's fingerprint,
+which names its version, kept by the overwrite; the batches are those the first build
+gives. Once that version is removed from the store, the same step raises
+:class:`DatasetChanged` naming both builds and how to start over.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from itertools import islice
@@ -20,6 +24,7 @@ from live_server import LiveServer
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
 from tokenfeed.errors import DatasetChanged
 from tokenfeed_server.store import open_dataset
+from tokenfeed_server.store.versions import local_version_dir
 
 pytestmark = pytest.mark.network
 
@@ -52,10 +57,13 @@ def make_loader(endpoint: str, workers: int) -> TokenFeedLoader:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resume_against_a_rebuilt_dataset_raises(tmp_path: Path, workers: int) -> None:
+def test_resume_after_a_rebuild_continues_on_its_version_while_kept(
+    tmp_path: Path, workers: int
+) -> None:
     store = tmp_path / "store"
     first = prepare(store, corpus(tmp_path / "a", "the first corpus"))
     with LiveServer(store, log_path=tmp_path / "log") as srv:
+        reference = [b["input_ids"] for b in islice(iter(make_loader(srv.zmq, 0)), 6)]
         loader = make_loader(srv.zmq, workers)
         assert len(list(islice(iter(loader), 3))) == 3
         state = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint stores it
@@ -66,17 +74,25 @@ def test_resume_against_a_rebuilt_dataset_raises(tmp_path: Path, workers: int) -
     with LiveServer(store, log_path=tmp_path / "log") as srv:
         resumed = make_loader(srv.zmq, workers)
         resumed.load_state_dict(state)
+        tail = [b["input_ids"] for b in islice(iter(resumed), 3)]
+        assert all((a == b).all() for a, b in zip(tail, reference[3:], strict=True))
+        assert resumed.state_dict()["fingerprint"] == first
+        # A fresh loader (no state) reads the new build.
+        fresh = make_loader(srv.zmq, workers)
+        assert len(list(islice(iter(fresh), 2))) == 2
+        assert fresh.state_dict()["fingerprint"] == second
+
+    shutil.rmtree(local_version_dir(store, "alpha", first))  # what gc does, in time
+    with LiveServer(store, log_path=tmp_path / "log") as srv:
+        resumed = make_loader(srv.zmq, workers)
+        resumed.load_state_dict(state)
         with pytest.raises(DatasetChanged) as info:
             next(iter(resumed))
         message = str(info.value)
         assert first in message  # what the state expects
         assert second in message  # what the server has now
+        assert "no longer kept" in message
         assert "drop the loader state" in message  # how to start over on purpose
-
-        # Starting over on purpose: a fresh loader (no state) reads the new build.
-        fresh = make_loader(srv.zmq, workers)
-        assert len(list(islice(iter(fresh), 2))) == 2
-        assert fresh.state_dict()["fingerprint"] == second
 
 
 def test_resume_of_the_same_build_continues(tmp_path: Path) -> None:

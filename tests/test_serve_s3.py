@@ -31,6 +31,7 @@ from tokenfeed.errors import DatasetChanged, TokenFeedError
 from tokenfeed_server.store import Dataset, open_dataset, write_dataset
 from tokenfeed_server.store.objects import ObjectStore, S3Location
 from tokenfeed_server.store.publish import publish_dataset
+from waiting import wait_until
 
 BUCKET = "serve-tests"
 PIECE = 4096
@@ -270,7 +271,7 @@ def test_a_remote_store_needs_cache_dir_and_size(
     assert "--cache-size" in bad.stderr and "TOKENFEED_CACHE_SIZE" in bad.stderr
 
 
-def test_a_dataset_replaced_in_the_bucket_is_never_mixed_into_a_running_job(
+def test_a_job_keeps_its_version_when_the_dataset_is_replaced_in_the_bucket(
     stores: tuple[Path, S3Server, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     local, s3, _ = stores
@@ -287,38 +288,66 @@ def test_a_dataset_replaced_in_the_bucket_is_never_mixed_into_a_running_job(
         if seed == 3:
             publish_dataset(local / "r", objects, "r")
             old_keys = set(s3.keys(BUCKET, "store/r/"))
+    old, new = builds[3].fingerprint, builds[4].fingerprint
 
-    def rows_are(build: Dataset, batch: dict[str, Any]) -> None:
-        for row, w in zip(batch["input_ids"].numpy(), batch["window_ids"].numpy(), strict=True):
+    def rows_are(build: Dataset, batch: tuple[np.ndarray, np.ndarray]) -> None:
+        for row, w in zip(*batch, strict=True):
             np.testing.assert_array_equal(row, build.read(int(w) * 64, int(w) * 64 + 64))
+
+    def arrays(batch: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        return batch["input_ids"].numpy(), batch["window_ids"].numpy()
+
+    def loader(server: LiveServer, **kw: Any) -> TokenFeedDataset:
+        return TokenFeedDataset(
+            server.zmq, "r", seq_len=64, batch_size=4, rank=0, world_size=1, samples=4 * 60,
+            chunk_bytes=1, window=1, request_timeout=5.0, deadline=60.0, **kw,
+        )  # fmt: skip
 
     cache = tmp_path / "cache"
     srv = _s3_server(s3, cache, 1 << 20).start()
     try:
-        loader = TokenFeedDataset(
-            srv.zmq, "r", seq_len=64, batch_size=4, rank=0, world_size=1, samples=4 * 60,
-            chunk_bytes=1, window=1, request_timeout=5.0, deadline=60.0,
-        )  # fmt: skip
-        it = iter(loader)
+        job = loader(srv)
+        it = iter(job)
         for _ in range(5):
-            rows_are(builds[3], next(it))
+            rows_are(builds[3], arrays(next(it)))
         publish_dataset(local / "r", objects, "r", overwrite=True)
-        new = builds[4].fingerprint
-        for _ in range(400):  # bounded: the watcher lists the bucket every 0.2 s
-            if srv.get("/v1/datasets/r").json()["fingerprint"] == new:
-                break
-            time.sleep(0.05)
-        assert srv.get("/v1/datasets/r").json()["fingerprint"] == new
+        view = wait_until(
+            lambda: (v := srv.get("/v1/datasets/r").json())["fingerprint"] == new and v,
+            20.0, "the new version served",
+        )  # fmt: skip
+        assert view["version"] == new
+        listed = {d["name"]: d for d in srv.get("/v1/datasets").json()}
+        assert listed["r"]["versions_in_use"] == [old]  # the running job holds it
         for _ in range(5):  # the running job keeps reading the build it started on
-            rows_are(builds[3], next(it))
-        assert old_keys <= set(s3.keys(BUCKET, "store/r/"))  # old shards stay until gc
-        # A restarted server serves the new build only: the job is told, never mixed.
+            rows_are(builds[3], arrays(next(it)))
+        assert old_keys <= set(s3.keys(BUCKET, "store/r/"))  # old objects stay until gc
+        state = job.state_dict()
+        # A restarted server opens the job's version on demand: its epoch ends on it.
         zmq_port, http_port = srv.zmq_port, srv.http_port
         srv.kill()
         srv = _s3_server(s3, cache, 1 << 20, zmq_port=zmq_port, http_port=http_port).start()
-        with pytest.raises(DatasetChanged, match="replaced"):
-            for _ in it:
-                pass
-        assert len(_batches(srv, "r", samples=16)) == 4
+        rest = [arrays(b) for b in it]
+        assert len(rest) == 50
+        for batch in rest:
+            rows_are(builds[3], batch)
+        # the saved state resumes on that version too, with the same batches
+        resumed = loader(srv)
+        resumed.load_state_dict(state)
+        again = [arrays(b) for b in resumed]
+        for (tokens, windows), (want, want_windows) in zip(again, rest, strict=True):
+            np.testing.assert_array_equal(windows, want_windows)
+            np.testing.assert_array_equal(tokens, want)
+        fresh = _batches(srv, "r", samples=16)  # a new job gets the new build
+        assert len(fresh) == 4
+        for batch in fresh:
+            rows_are(builds[4], batch)
+        # Once its version is gone from the bucket, the job is refused, never mixed.
+        s3.client.delete_object(Bucket=BUCKET, Key=f"store/r/versions/{old}.json")
+        srv.kill()
+        srv = _s3_server(s3, cache, 1 << 20, zmq_port=zmq_port, http_port=http_port).start()
+        late = loader(srv)
+        late.load_state_dict(state)
+        with pytest.raises(DatasetChanged, match=f"version {old} of dataset 'r' is no longer"):
+            next(iter(late))
     finally:
         srv.stop()

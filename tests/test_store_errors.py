@@ -25,6 +25,7 @@ from tokenfeed_server.store.errors import (
     PieceMissing,
     PieceUnavailable,
     PieceUnreadable,
+    StorageExhausted,
     StorageUnreachable,
     wire_error,
 )
@@ -40,6 +41,8 @@ from tokenfeed_server.store.errors import (
             True,
         ),
         (PieceUnavailable("3 attempts"), StorageUnavailable, "storage_unavailable", True),
+        # past the server's budget: final (the server already waited for the trainer)
+        (StorageExhausted("900 s"), StorageUnavailable, "storage_unavailable", False),
         (ObjectStoreError("access denied"), StorageUnavailable, "storage_unavailable", False),
         (BucketNotFound("no bucket"), StorageUnavailable, "storage_unavailable", False),
         (ObjectNotFound("s3://b/k: no such object"), ObjectMissing, "object_missing", False),
@@ -96,7 +99,8 @@ class _Source:
     ("error", "kind", "calls"),
     [
         (ObjectNotFound("gone"), PieceMissing, 1),  # a missing object is not retried
-        (StorageUnreachable("timeout"), PieceUnavailable, 3),
+        # unreachable: retried for the budget (none here; tests/test_store_piece_fetch.py)
+        (StorageUnreachable("timeout"), StorageExhausted, 1),
         (ObjectTruncated("short"), PieceDamaged, 3),
         (None, PieceDamaged, 2),  # bytes that never match the digest
     ],
@@ -105,15 +109,15 @@ def test_a_failed_fetch_says_which_fault(
     error: Exception | None, kind: type[PieceUnreadable], calls: int
 ) -> None:
     from tokenfeed_server.store.format import piece_digest
-    from tokenfeed_server.store.piece_fetch import FetchCounters, RetryPolicy, fetch_piece
+    from tokenfeed_server.store.piece_fetch import FetchHooks, RetryPolicy, fetch_piece
     from tokenfeed_server.store.pieces import PieceRef
 
     ref = PieceRef(piece_digest(b"good"), "k", 0, 4, "s3://b/k")
     source = _Source(error, b"bad!")
     counted: list[str] = []
-    counters = FetchCounters(lambda: counted.append("error"), lambda: counted.append("bad"))
-    policy = RetryPolicy(attempts=3, mismatch_attempts=2, backoff_s=0.0)
+    hooks = FetchHooks(lambda: counted.append("error"), lambda: counted.append("bad"))
+    policy = RetryPolicy(attempts=3, mismatch_attempts=2, backoff_s=0.0, retry_s=0.0)
     with pytest.raises(kind):
-        fetch_piece(source, ref, policy, counters, lambda: False)
+        fetch_piece(source, ref, policy, hooks)
     assert source.calls == calls == len(counted)
-    assert fetch_piece(_Source(data=b"good"), ref, policy, counters, lambda: False) == (b"good", 4)
+    assert fetch_piece(_Source(data=b"good"), ref, policy, hooks) == (b"good", 4)

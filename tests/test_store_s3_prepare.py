@@ -127,9 +127,14 @@ def test_prepare_into_s3_equals_a_local_prepare(s3: S3Server, tmp_path: Path) ->
     local = Manifest.from_json((tmp_path / "local" / "d" / MANIFEST_NAME).read_text())
     remote = _published(s3, "team/v1", "d")
     assert len(local.shards) > 3
-    # layout: the manifest plus one content-addressed object per distinct shard, nothing else
+    # layout: the manifest, its version object, the store's catalog, and one
+    # content-addressed object per distinct shard, nothing else
     names = {s.name for s in remote.shards}
-    assert set(_keys(s3)) == {"team/v1/d/manifest.json"} | {f"team/v1/d/{n}" for n in names}
+    assert set(_keys(s3)) == {
+        "team/v1/d/manifest.json",
+        f"team/v1/d/versions/{remote.fingerprint}.json",
+        "team/v1/_tokenfeed/catalog.json",
+    } | {f"team/v1/d/{n}" for n in names}
     for shard in remote.shards:
         assert re.fullmatch(r"shard-[0-9a-f]{32}\.bin", shard.name)
         assert shard.name == f"shard-{shard_content_id(remote.piece_bytes, shard.pieces)}.bin"
@@ -207,19 +212,25 @@ def test_overwrite_keeps_old_shards_until_gc(
     new = _published(s3, "p", "d")
     assert new.fingerprint != old.fingerprint
     referenced = {f"p/d/{s.name}" for s in new.shards} | {"p/d/manifest.json"}
+    referenced |= {f"p/d/versions/{new.fingerprint}.json", "p/_tokenfeed/catalog.json"}
     assert set(_keys(s3)) == first | referenced  # every old shard is still there
+    assert f"p/d/versions/{old.fingerprint}.json" in first  # and the old version
     unreferenced = set(_keys(s3)) - referenced
     assert unreferenced
 
     capsys.readouterr()
-    assert _run("gc", "--store", store, "--grace", "0", "--dry-run") == 0
+    # the old version is one of the newest 3 (the default): nothing goes
+    assert _run("gc", "--store", store, "--grace", "0") == 0
+    assert "deleted 0 object(s)" in capsys.readouterr().out
+    keep_one = ("--keep-versions", "1")
+    assert _run("gc", "--store", store, "--grace", "0", "--dry-run", *keep_one) == 0
     out = capsys.readouterr().out
     assert f"would delete {len(unreferenced)} object(s)" in out
     assert set(_keys(s3)) == first | referenced  # a dry run deletes nothing
-    assert _run("gc", "--store", store) == 0  # default grace: everything is too young
+    assert _run("gc", "--store", store, *keep_one) == 0  # default grace: the old is too young
     assert "deleted 0 object(s)" in capsys.readouterr().out
     assert set(_keys(s3)) == first | referenced
-    assert _run("gc", "--store", store, "--grace", "0", "--dataset", "d") == 0
+    assert _run("gc", "--store", store, "--grace", "0", "--dataset", "d", *keep_one) == 0
     assert f"deleted {len(unreferenced)} object(s)" in capsys.readouterr().out
     assert set(_keys(s3)) == referenced  # exactly the unreferenced ones went
     assert _run("inspect", f"{store}/d", "--verify") == 0
@@ -245,9 +256,10 @@ def test_gc_rules(s3: S3Server, tmp_path: Path) -> None:
     before = set(_keys(s3))
     store = ObjectStore(S3Location(BUCKET, "p"))
     # within the grace period (counted from the object and from its manifest): nothing
-    assert all(not r.deleted for r in gc_objects(store, grace_s=3600))
+    assert all(not r.deleted for r in gc_objects(store, grace_s=3600).datasets)
     later = datetime.now(timezone.utc) + timedelta(hours=2)
-    results = {r.dataset: r for r in gc_objects(store, grace_s=3600, now=later, dry_run=True)}
+    report = gc_objects(store, grace_s=3600, now=later, dry_run=True)
+    results = {r.dataset: r for r in report.datasets}
     assert set(_keys(s3)) == before
     assert [o.key for o in results["d"].deleted] == [f"d/{stale}"]
     assert sorted(o.key for o in results["d"].foreign) == ["d/notes.txt", f"d/sub/{stale}"]
@@ -288,12 +300,17 @@ def test_gc_grace_counts_from_the_manifest(s3: S3Server, tmp_path: Path) -> None
     dropped = [o for o in store.list("d/") if o.modified < manifest.modified]
     assert dropped  # the first build's shards, older than the manifest
     # every dropped object is older than the grace period, the manifest is not: kept
+    # (the old version is kept by age alone: --keep-versions 1 keeps only the current)
     soon = manifest.modified + timedelta(seconds=1)
-    assert not gc_objects(store, grace_s=1.5, now=soon)[0].deleted
+    assert not gc_objects(store, grace_s=1.5, keep_versions=1, now=soon).datasets[0].deleted
     later = manifest.modified + timedelta(seconds=2)
-    gone = gc_objects(store, grace_s=1.5, now=later)[0].deleted
+    gone = gc_objects(store, grace_s=1.5, keep_versions=1, now=later).datasets[0].deleted
     assert sorted(o.key for o in gone) == sorted(o.key for o in dropped)
-    assert set(_keys(s3)) == {f"p/d/{s.name}" for s in new.shards} | {"p/d/manifest.json"}
+    assert set(_keys(s3)) == {f"p/d/{s.name}" for s in new.shards} | {
+        "p/d/manifest.json",
+        f"p/d/versions/{new.fingerprint}.json",
+        "p/_tokenfeed/catalog.json",
+    }
 
 
 # --------------------------------------------------------------------------- failures
@@ -325,7 +342,8 @@ def test_interrupted_publish_leaves_no_dataset(s3: S3Server, tmp_path: Path) -> 
     assert _keys(s3) == []
     # and a retry publishes the whole dataset
     published = publish_dataset(tmp_path / "l" / "d", store, "d")
-    assert len(_keys(s3, "p/d/")) == len({s.name for s in published.shards}) + 1
+    # its shards, its manifest and its version object
+    assert len(_keys(s3, "p/d/")) == len({s.name for s in published.shards}) + 2
 
 
 def test_endpoint_dying_mid_publish(
@@ -414,11 +432,13 @@ def test_inspect_verify_finds_a_bad_piece(
     data[len(data) // 2] ^= 1  # same size: only the piece checksum can tell
     s3.client.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
     assert _run("inspect", url) == 0  # sizes only
-    assert _run("inspect", url, "--verify") == 2
-    assert f"{url}/{shard.name}: piece 0" in capsys.readouterr().err
+    capsys.readouterr()
+    assert _run("inspect", url, "--verify") == 1  # a finding, listed: exit 1
+    out = capsys.readouterr().out
+    assert f"damaged  {url}/{shard.name}: piece" in out and "--repair --source DIR" in out
     s3.client.delete_object(Bucket=BUCKET, Key=key)
-    assert _run("inspect", url) == 2
-    assert "shard object is missing" in capsys.readouterr().err
+    assert _run("inspect", url) == 1
+    assert f"missing  {url}/{shard.name}: not in the bucket" in capsys.readouterr().out
 
 
 def test_object_store_keys_are_relative_to_the_prefix(s3: S3Server) -> None:
@@ -455,8 +475,10 @@ def test_gc_of_a_local_store_removes_dead_writers_temp_dirs(
     assert "deleted 1 temp directories" in capsys.readouterr().out
     assert not dead.exists()
     assert open_dataset(store, "d").n_documents > 0  # the dataset itself is untouched
-    assert _run("gc", "--store", str(store), "--dataset", "d") == 2
-    assert "--dataset applies to s3:// stores" in capsys.readouterr().err
+    # --dataset: only that dataset's older builds (the temp directories are store-wide)
+    assert _run("gc", "--store", str(store), "--dataset", "d") == 0
+    out = capsys.readouterr().out
+    assert "d: deleted 0 older build(s)" in out and "temp directories" not in out
 
 
 def test_refused_credentials_exit_2(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from tokenfeed.plan import INT64_MAX, Plan
 from tokenfeed_server.store import Store, open_dataset, write_dataset
 from tokenfeed_server.store.format import HEADER_SIZE
 from tokenfeed_server.store.serving import RowBuffers, WindowBlocks
+from tokenfeed_server.store.versions import local_version_dir
 
 
 def docs(seed: int) -> list[np.ndarray]:
@@ -143,32 +144,51 @@ def test_damaged_dataset_is_refused_and_the_rest_served(tmp_path: Path, damage: 
 
 
 @pytest.mark.network
-def test_a_replaced_dataset_is_never_mixed_into_a_running_job(tmp_path: Path) -> None:
+def test_a_running_job_keeps_its_version_across_an_overwrite_and_a_restart(
+    tmp_path: Path,
+) -> None:
     store = tmp_path / "store"
-    write_dataset(store, "d", docs(1), tokenizer=BYTE, shuffle_seed=0)
+    old = write_dataset(store, "d", docs(1), tokenizer=BYTE, shuffle_seed=0).fingerprint
+    kept = local_version_dir(store, "d", old)
     log = tmp_path / "server.log"
     srv = LiveServer(store, log_path=log).start()
     ds = dataset(srv, "d", samples=4 * 60, chunk_bytes=1, window=1)
     it = iter(ds)
     try:
         for _ in range(5):
-            next(it)
-        # The operator rebuilds the dataset and restarts the server mid-run.
-        write_dataset(store, "d", docs(2), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
+            assert_rows_are_the_dataset(store, "d", next(it))
+        # The operator rebuilds the dataset while the job reads, then restarts the server.
+        new = write_dataset(store, "d", docs(2), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
+        assert kept.is_dir()  # the old build is kept, not deleted
+        for _ in range(5):  # the job reads on in the build it started on
+            assert_rows_are_the_dataset(store, "d", next(it), path=kept)
         zmq_port, http_port = srv.zmq_port, srv.http_port
         srv.kill()
         srv = LiveServer(store, log_path=log, zmq_port=zmq_port, http_port=http_port).start()
-        with pytest.raises(DatasetChanged, match="replaced"):
-            for _ in it:
-                pass
-        # A new run on the new dataset is fine.
+        # A restarted server opens the kept version for it: the epoch ends on its build.
+        rest = list(it)
+        assert len(rest) == 50
+        for batch in rest:
+            assert_rows_are_the_dataset(store, "d", batch, path=kept)
+        listed = srv.get("/v1/datasets/d").json()
+        assert listed["fingerprint"] == new.fingerprint  # new jobs get the new build
         assert sum(1 for _ in dataset(srv, "d", samples=16)) == 4
+        # Once the old build is gone, a job pinned to it is refused, never mixed.
+        shutil.rmtree(kept)
+        srv.kill()
+        srv = LiveServer(store, log_path=log, zmq_port=zmq_port, http_port=http_port).start()
+        again = dataset(srv, "d", samples=4 * 60)
+        again.load_state_dict({**ds.state_dict(), "position": 40})
+        with pytest.raises(DatasetChanged, match=f"version {old} of dataset 'd' is no longer"):
+            next(iter(again))
     finally:
         srv.stop()
 
 
-def assert_rows_are_the_dataset(store: Path, name: str, batch: dict[str, Any]) -> None:
-    with open_dataset(store, name) as ds:
+def assert_rows_are_the_dataset(
+    store: Path, name: str, batch: dict[str, Any], *, path: Path | None = None
+) -> None:
+    with open_dataset(store, name, path=path) as ds:
         for row, w in zip(batch["input_ids"].numpy(), batch["window_ids"].numpy(), strict=True):
             ref = ds.read(int(w) * 64, int(w) * 64 + 64)
             np.testing.assert_array_equal(row, ref)

@@ -15,6 +15,7 @@ from shard_data import BYTE, random_docs
 from tokenfeed.errors import DatasetExists, PrepareError
 from tokenfeed_server.store import clean_stale_temp_dirs, list_datasets, open_dataset, write_dataset
 from tokenfeed_server.store.format import TEMP_PREFIX
+from tokenfeed_server.store.versions import local_version_dir
 from tokenfeed_server.store.writer import LOCK_NAME, make_temp_dir, remove_temp_dir
 
 
@@ -47,9 +48,13 @@ def test_exists_and_overwrite(store: Path) -> None:
     )
     new = open_dataset(store, "d")
     assert new.n_documents == 7 and new.fingerprint != old.fingerprint
-    # A reader that had the old dataset open keeps reading the old data.
+    # A reader that had the old dataset open keeps reading the old data, which is kept
+    # as a version (jobs and checkpoints may be pinned to it), nothing else left behind.
     np.testing.assert_array_equal(old.read(0, old.n_tokens), old_view)
-    assert sorted(os.listdir(store)) == ["d"]
+    assert sorted(os.listdir(store)) == ["_tokenfeed", "d"]
+    kept = local_version_dir(store, "d", old.fingerprint)
+    assert sorted(os.listdir(kept)) == ["manifest.json", "shard-000000.bin"]
+    assert sorted(os.listdir(kept.parent)) == [old.fingerprint]
 
 
 def test_list_ignores_temp_dirs_and_cleans_unlocked_ones(store: Path) -> None:
@@ -75,7 +80,7 @@ def test_nothing_of_the_writer_is_published(store: Path) -> None:
     write_dataset(store, "d", random_docs(2), tokenizer=BYTE, shuffle_seed=0)
     write_dataset(store, "d", random_docs(3), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
     assert sorted(p.name for p in (store / "d").iterdir()) == ["manifest.json", "shard-000000.bin"]
-    assert sorted(os.listdir(store)) == ["d"]
+    assert sorted(os.listdir(store)) == ["_tokenfeed", "d"]  # the old version, kept
 
 
 # A writer in another process: it makes its temp dir, then forks a child that inherits the

@@ -24,8 +24,8 @@ mapped onto this tree at the boundary where they happen, never leaked raw::
     │   ├── DatasetForbidden     the token's tenant may not read that dataset
     │   ├── ConnectionLimit      the tenant or server has no free connection slot
     │   ├── DatasetChanged       the dataset behind a running job was replaced
-    │   ├── StorageUnavailable   object storage does not answer (retryable: the server
-    │   │                        keeps trying; the trainer waits)
+    │   ├── StorageUnavailable   object storage does not answer: the trainer waits while
+    │   │                        the server retries; final past its --storage-retry-s
     │   ├── ObjectMissing        an object the dataset needs is gone from the bucket
     │   └── ObjectDamaged        an object fails its checksum again after a refetch
     └── ServerUnavailable        no answer from the endpoint before the deadline
@@ -38,6 +38,8 @@ its own (``unknown_job``, ``overloaded``, or one a newer server sends) gives a p
 
 from __future__ import annotations
 
+import math
+import re
 from typing import ClassVar
 
 
@@ -165,9 +167,36 @@ class DatasetChanged(ServerError):
 
 
 class StorageUnavailable(ServerError):
-    """The dataset's object storage does not answer; the server retries within its budget."""
+    """The dataset's object storage does not answer; the server retries within its budget.
+
+    While the server retries, it tells the waiting trainer so every few seconds with a
+    retryable ``err`` worded by :meth:`retrying_message` (the request stays queued on the
+    server): the client logs what it waits for and keeps waiting, without counting that
+    time against its own ``deadline``, since the server's budget bounds it. Past the
+    budget the request fails with ``retry`` False. An older client sees the notice as a
+    plain retryable refusal: it asks again, and still waits out an outage shorter than its
+    ``deadline``.
+    """
 
     code = "storage_unavailable"
+
+    @staticmethod
+    def retrying_message(seconds_left: float, url: str, error: str) -> str:
+        """The notice a waiting request gets while the server retries object ``url``."""
+        left = max(0, math.ceil(seconds_left))
+        return f"{_NOTICE_PREFIX} {left} s more: {url}: {error}"
+
+    @staticmethod
+    def seconds_left(message: str) -> float | None:
+        """The seconds the server still retries, if ``message`` is such a notice (the
+        request still waits on the server); None for any other message."""
+        match = _NOTICE.match(message)
+        return float(match.group(1)) if match is not None else None
+
+
+#: The words of a storage notice: the one part of a message the client reads.
+_NOTICE_PREFIX = "object storage unavailable, retrying for up to"
+_NOTICE = re.compile(re.escape(_NOTICE_PREFIX) + r" (\d+) s more: ")
 
 
 class ObjectMissing(ServerError):

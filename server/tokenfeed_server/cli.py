@@ -23,10 +23,11 @@ from pydantic import BaseModel, ValidationError
 from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed_server import config as settings
 from tokenfeed_server.http.admin_cli import add_admin_commands
+from tokenfeed_server.inspect_cli import add_inspect_command
 
 if TYPE_CHECKING:
-    from tokenfeed_server.store.manifest import Manifest
-    from tokenfeed_server.store.objects import S3Location
+    from tokenfeed_server.store.gc import GcReport, KeptVersion
+    from tokenfeed_server.store.objects import ObjectStore
 
 __all__ = ["main"]
 
@@ -125,106 +126,21 @@ def _run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------- inspect
-
-
-def _add_inspect(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = subparsers.add_parser(
-        "inspect",
-        help="print a dataset's manifest summary and verify its checksums",
-        description="Open DIR/NAME (validating every shard), print a summary, verify checksums. "
-        "For s3://BUCKET/PREFIX/NAME: read the manifest and check that every object exists "
-        "with its size; --verify also downloads every piece and checks its checksum.",
-    )
-    p.add_argument("path", metavar="DIR/NAME")
-    p.add_argument("--no-verify", action="store_true", help="skip the checksum pass")
-    p.add_argument(
-        "--verify",
-        action="store_true",
-        help="s3://: check every piece's checksum (downloads the dataset); local: the default",
-    )
-    p.set_defaults(handler=_run_inspect)
-
-
-def _run_inspect(args: argparse.Namespace) -> int:
-    from tokenfeed_server.store import open_dataset
-    from tokenfeed_server.store.objects import S3Location, parse_store
-
-    if args.verify and args.no_verify:
-        raise ConfigError("give --verify or --no-verify, not both")
-    target = parse_store(args.path)
-    if isinstance(target, S3Location):
-        return _inspect_remote(target, verify=args.verify)
-    path: Path = target
-    with open_dataset(path.parent, path.name) as ds:
-        m = ds.manifest
-        t = m.tokenizer
-        print(f"dataset      {ds.name}  ({ds.path})")
-        print(f"fingerprint  {ds.fingerprint}")
-        print(f"created      {m.created}")
-        print(f"format       {_format_line(m)}")
-        print(f"tokenizer    {t.kind}  vocab {t.vocab_size}  eos {t.eos_id}  dtype {m.dtype}")
-        print(f"tokens       {m.total_tokens:,}")
-        print(f"documents    {m.documents:,}")
-        print(f"shuffle seed {m.shuffle_seed}")
-        print(f"shards       {len(m.shards)}")
-        for s in m.shards:
-            print(f"  {s.name}  {s.tokens:>14,} tokens  {s.documents:>10,} docs  {s.checksum}")
-        if args.no_verify:
-            print("checksums    not verified (--no-verify)")
-        else:
-            ds.verify_checksums()
-            print("checksums    ok")
-    return 0
-
-
-def _format_line(m: Manifest) -> str:
-    if m.format_version < 2:
-        return f"version {m.format_version} (no piece checksums: re-prepare to publish to s3://)"
-    return f"version {m.format_version}, pieces of {m.piece_bytes:,} bytes"
-
-
-def _inspect_remote(location: S3Location, *, verify: bool) -> int:
-    from tokenfeed_server.store.objects import ObjectStore
-    from tokenfeed_server.store.publish import read_published
-    from tokenfeed_server.store.verify import verify_published
-
-    parent, name = location.split()
-    store = ObjectStore(parent)
-    m = read_published(store, name)
-    t = m.tokenizer
-    print(f"dataset      {name}  ({store.url(name)})")
-    print(f"fingerprint  {m.fingerprint}")
-    print(f"created      {m.created}")
-    print(f"format       {_format_line(m)}")
-    print(f"tokenizer    {t.kind}  vocab {t.vocab_size}  eos {t.eos_id}  dtype {m.dtype}")
-    print(f"tokens       {m.total_tokens:,}")
-    print(f"documents    {m.documents:,}")
-    print(f"shuffle seed {m.shuffle_seed}")
-    print(f"shards       {len(m.shards)}")
-    for s in m.shards:
-        print(f"  {s.name}  {s.tokens:>14,} tokens  {s.documents:>10,} docs  {s.checksum}")
-    checked = verify_published(store, name, m, pieces=verify)
-    print("objects      ok (every file present, sizes match)")
-    if verify:
-        n = sum(len(s.pieces) for s in m.shards)
-        print(f"checksums    ok ({n} pieces, {checked:,} bytes)")
-    else:
-        print("checksums    not verified (pass --verify to download and check every piece)")
-    return 0
-
-
 # ---------------------------------------------------------------------------- gc
 
 
 def _add_gc(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "gc",
-        help="delete objects that no current manifest references (s3:// stores)",
-        description="For each dataset under --store s3://BUCKET/PREFIX (or only --dataset), "
-        "delete the objects its current manifest does not name, once they and that manifest "
-        "are older than --grace seconds (a server may still read an old build's shards until "
-        "it notices the new manifest). A local store: remove dead writers' temp directories. "
+        help="delete the dataset versions and objects no one uses any more",
+        description="For each dataset of --store (or only --dataset), keep the current "
+        "version, the newest --keep-versions, every version a running server's jobs hold "
+        "(its lease under _tokenfeed/leases/, whatever --grace says) and every version that "
+        "stopped being current less than --grace seconds ago; delete the other versions and "
+        "every object no kept version names (once it and the current manifest are older than "
+        "--grace). s3://BUCKET/PREFIX: objects; a local store: the older builds under "
+        "_tokenfeed/versions/ and dead writers' temp directories. Servers started with "
+        "--read-only-store write no lease: for them only --grace protects what they read. "
         "Every flag has an environment twin (shown in brackets); flags win.",
     )
     settings.add_arguments(p, settings.GcSettings)
@@ -237,23 +153,23 @@ def _run_gc(args: argparse.Namespace) -> int:
 
     s = _settings(settings.GcSettings, args)
     store = parse_store(s.store)
-    verb = "would delete" if s.dry_run else "deleted"
+    keep, grace, dry = s.keep_versions, s.grace_s, s.dry_run
     if isinstance(store, Path):
-        if s.dataset is not None:
-            raise ConfigError(
-                "--dataset applies to s3:// stores; a local store's old builds are deleted "
-                "when they are replaced"
-            )
-        removed = gc_local(store, dry_run=s.dry_run)
-        what = "temp directories (live writers' included)" if s.dry_run else "temp directories"
-        print(f"{store}: {verb} {len(removed)} {what}")
-        for path in removed:
-            print(f"  {path.name}")
-        return 0
-    objects = ObjectStore(store)
-    results = gc_objects(objects, name=s.dataset, grace_s=s.grace_s, dry_run=s.dry_run)
+        report = gc_local(store, name=s.dataset, grace_s=grace, keep_versions=keep, dry_run=dry)
+        failed = _print_local_gc(store, report, s.dataset, dry_run=dry)
+    else:
+        objects = ObjectStore(store)
+        report = gc_objects(objects, name=s.dataset, grace_s=grace, keep_versions=keep, dry_run=dry)
+        failed = _print_remote_gc(objects, report, dry_run=dry)
+    _print_leases(report, dry_run=s.dry_run)
+    return EXIT_ERROR if failed else 0
+
+
+def _print_remote_gc(objects: ObjectStore, report: GcReport, *, dry_run: bool) -> bool:
+    """Per dataset: what was deleted, and what was kept and why; True if any failed."""
+    verb = "would delete" if dry_run else "deleted"
     failed = False
-    for r in results:
+    for r in report.datasets:
         if r.error:
             failed = True
             print(f"{objects.url(r.dataset)}: {r.error}", file=sys.stderr)
@@ -264,11 +180,63 @@ def _run_gc(args: argparse.Namespace) -> int:
             f"{r.deleted_bytes:,} bytes; kept {r.referenced} referenced, {len(r.young)} "
             f"younger than the grace period, {len(r.foreign)} not tokenfeed's"
         )
+        _print_versions(r.kept, r.dropped, verb)
+        if r.held:
+            print(f"  kept {len(r.held)} unreferenced object(s): a leased version is unreadable")
+        if r.raced:
+            print(f"  spared {len(r.raced)} object(s) named or touched while gc ran")
         for info in r.deleted:
             print(f"  {info.key}  {info.size:,} bytes  {info.modified.isoformat()}")
-    if not results:
-        print(f"{store.url()}: no datasets")
-    return EXIT_ERROR if failed else 0
+        if r.warning:
+            print(f"{objects.url(r.dataset)}: warning: {r.warning}", file=sys.stderr)
+    if not report.datasets:
+        print(f"{objects.url()}: no datasets")
+    return failed
+
+
+def _print_local_gc(store: Path, report: GcReport, name: str | None, *, dry_run: bool) -> bool:
+    """A local store: temp directories, then per dataset its older builds."""
+    verb = "would delete" if dry_run else "deleted"
+    failed = False
+    if name is None:
+        what = "temp directories (live writers' included)" if dry_run else "temp directories"
+        print(f"{store}: {verb} {len(report.temp_dirs)} {what}")
+        for path in report.temp_dirs:
+            print(f"  {path.name}")
+    for r in report.local:
+        if r.error:
+            failed = True
+            print(f"{store / r.dataset}: {r.error}", file=sys.stderr)
+            continue
+        print(f"{store / r.dataset}: {verb} {len(r.deleted)} older build(s)")
+        _print_versions(r.kept, [p.name for p in r.deleted], verb)
+        if r.raced:
+            print(f"  spared {len(r.raced)} older build(s) a server took a lease on meanwhile")
+    return failed
+
+
+def _print_versions(kept: Sequence[KeptVersion], dropped: Sequence[str], verb: str) -> None:
+    for version in kept:
+        print(f"  version {version.fingerprint}  kept: {'; '.join(version.reasons)}")
+    for fingerprint in dropped:
+        print(f"  version {fingerprint}  {verb}: not current or newest, no lease, past --grace")
+
+
+def _print_leases(report: GcReport, *, dry_run: bool) -> None:
+    """The leases gc honoured, the expired ones it removed, or that there were none."""
+    for lease in report.leases:
+        held = sum(len(fps) for fps in lease.held.values())
+        print(f"lease of {lease.describe()}: {held} version(s) held")
+    if report.expired:
+        verb = "would delete" if dry_run else "deleted"
+        servers = ", ".join(lease.server for lease in report.expired)
+        print(f"{verb} {len(report.expired)} expired lease(s) of servers gone ({servers})")
+    for where in report.unreadable_leases:
+        print(f"warning: {where} is not a lease tokenfeed can read: ignored", file=sys.stderr)
+    if report.no_leases:
+        from tokenfeed_server.store.gc import NO_LEASES
+
+        print(f"note: {NO_LEASES}")
 
 
 # ---------------------------------------------------------------------------- serve
@@ -333,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_prepare(subparsers)
-    _add_inspect(subparsers)
+    add_inspect_command(subparsers)  # inspect: tokenfeed_server.inspect_cli
     _add_gc(subparsers)
     _add_serve(subparsers)
     _add_keygen(subparsers)

@@ -141,9 +141,10 @@ class CacheSettings(BaseModel):
         default=0.1, ge=0, description="seconds before the first retry of a fetch (doubled at each)"
     )
     cache_failure_ttl_s: float = Field(
-        default=30.0,
+        default=5.0,
         ge=0,
-        description="seconds an unreadable piece is reported at once instead of fetched again",
+        description="seconds a piece found missing or damaged is reported at once instead of "
+        "fetched again (unreachable storage is never remembered: see --storage-retry-s)",
     )
     cache_max_open: int = Field(default=1024, ge=16, description="piece files kept open at most")
     prefetch_blocks: int = Field(
@@ -417,8 +418,9 @@ class GcSettings(BaseModel):
     grace_s: Annotated[float, Spelling(flag="--grace")] = Field(
         default=3600.0,
         ge=0,
-        description="keep unreferenced objects until they, and the manifest that dropped "
-        "them, are this many seconds old",
+        description="besides the versions in use (server leases) and the newest "
+        "--keep-versions, keep a version this many seconds after it stopped being current, "
+        "and an unreferenced object until it is this old",
     )
     keep_versions: int = Field(
         default=3,

@@ -30,6 +30,9 @@ from tokenfeed_server.dataplane.plane import DataPlane
 from tokenfeed_server.http.app import create_app
 from tokenfeed_server.http.state import ServerState
 from tokenfeed_server.store import Store, memory
+from tokenfeed_server.store.health_check import HealthCheck
+from tokenfeed_server.store.leases import LeaseKeeper
+from tokenfeed_server.store.objects import S3Location
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,8 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
         store = _open_store(config, cleanup)
         cleanup.callback(store.close)
         store.open_all()
+        cleanup.callback(HealthCheck(store).start().stop)  # unavailable -> ok, no restart
+        leases = _lease_keeper(config, store, cleanup)
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         cleanup.callback(context.term)
         zap = security.start_zap(context, tenants)
@@ -65,6 +70,8 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
         )
         zmq_endpoint = dataplane.start()
         cleanup.callback(dataplane.stop)
+        if leases is not None:
+            leases.start(lambda: _held_versions(store, dataplane), server_id=dataplane.instance)
         try:
             http_sock = _bind_http(config.host, config.http_port)
         except OSError as exc:
@@ -113,7 +120,13 @@ def _open_store(config: ServerConfig, cleanup: contextlib.ExitStack) -> Store:
     from tokenfeed_server.store.objects import ObjectStore
 
     objects = ObjectStore(location)
-    cache = PieceCache(config.cache_dir, config.cache_size, objects, **config.cache.cache_options())
+    cache = PieceCache(
+        config.cache_dir,
+        config.cache_size,
+        objects,
+        **config.cache.cache_options(),
+        retry_s=config.storage.storage_retry_s,  # unreachable storage: a delay, not a failure
+    )
     # Closed after the store (callbacks run in reverse): no fetch outlives the server.
     cleanup.callback(cache.close)
     log.info(
@@ -129,6 +142,35 @@ def _open_store(config: ServerConfig, cleanup: contextlib.ExitStack) -> Store:
         objects=objects,
         cache=cache,
     )
+
+
+def _lease_keeper(
+    config: ServerConfig, store: Store, cleanup: contextlib.ExitStack
+) -> LeaseKeeper | None:
+    """This server's lease on the versions its jobs read (so that gc keeps them), not yet
+    started; its stop (which deletes it) registered now, so that it runs after the data
+    plane's. None with --read-only-store: then gc protects them by its --grace alone."""
+    if config.storage.read_only_store:
+        log.warning(
+            "--read-only-store: this server writes no lease, so gc cannot see which dataset "
+            "versions its jobs read; for them gc falls back to its --grace period"
+        )
+        return None
+    target = store.objects if store.objects is not None else store.root
+    assert not isinstance(target, S3Location)  # a remote store always has its objects
+    keeper = LeaseKeeper(target, lease_s=config.storage.lease_s)
+    cleanup.callback(keeper.stop)
+    return keeper
+
+
+def _held_versions(store: Store, dataplane: DataPlane) -> dict[str, set[str]]:
+    """What this server's lease names (read on the lease's thread): every version the
+    store has open (the current ones, older ones jobs hold or a resume is opening) and
+    every version a job reads, from the data plane's snapshot (rebuilt on its thread)."""
+    held = {name: set(fps) for name, fps in store.held_versions().items()}
+    for name, fps in dataplane.snapshot.get("held", {}).items():
+        held.setdefault(name, set()).update(fps)
+    return held
 
 
 def _serve_http(

@@ -21,6 +21,13 @@ logger; when no progress is made for ``deadline`` seconds it raises the last ref
 (e.g. :class:`~tokenfeed.errors.ConnectionLimit`) or
 :class:`~tokenfeed.errors.ServerUnavailable` naming every endpoint.
 
+Object storage that does not answer is the server's to ride out: while it retries, it
+keeps the request and says so every few seconds (a retryable ``storage_unavailable``,
+see :class:`~tokenfeed.errors.StorageUnavailable`). The client then logs what it waits for
+(at most every 30 s) and keeps waiting on the same connection, without re-asking and
+without counting that time against ``deadline``: the server's ``--storage-retry-s``
+bounds the wait, and past it the request fails with ``retry`` False.
+
 The client checks what the server says: a ``welcome`` with impossible values raises
 :class:`~tokenfeed.errors.ProtocolError`, and a dataset build other than the expected one
 (``fingerprint``: from a checkpoint, or the first ``welcome``) raises
@@ -41,7 +48,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import zmq
 
 from tokenfeed import protocol
-from tokenfeed.errors import DatasetChanged, ProtocolError, ServerError, ServerUnavailable
+from tokenfeed.errors import (
+    DatasetChanged,
+    ProtocolError,
+    ServerError,
+    ServerUnavailable,
+    StorageUnavailable,
+)
 from tokenfeed.protocol import JobSpec
 from tokenfeed.transport.answer import Answer, answer_of
 from tokenfeed.transport.connection import Connection, Stopped
@@ -60,6 +73,8 @@ log = logging.getLogger("tokenfeed")
 #: How a server from before run ids refuses ``hello.run`` (its decoder's words, fixed in
 #: those releases): "hello: unexpected fields ['run']; the peer speaks a newer protocol..."
 _RUN_REFUSED = "hello: unexpected fields ['run']"
+#: Seconds between two warnings that the server waits on its object storage.
+STORAGE_WARN_EVERY_S = 30.0
 
 
 class FeedClient:
@@ -131,6 +146,7 @@ class FeedClient:
         self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}:{id(self):x}"
         #: False once a server from before run ids refused ``hello.run``
         self._send_run = True
+        self._storage_warned = -STORAGE_WARN_EVERY_S  # when the last such warning went
 
     @property
     def endpoint(self) -> str:
@@ -187,6 +203,9 @@ class FeedClient:
                 return self._accept(msg)
             if isinstance(msg, protocol.Err) and msg.retry:
                 refusal = msg
+                # the server's storage does not answer: say so; its own budget, if it
+                # says one, bounds the wait rather than this client's deadline
+                deadline_at = max(deadline_at, self._storage_wait(msg))
             elif isinstance(msg, protocol.Err) and self._older_server(hello, msg):
                 hello = self._hello_message()  # now without the run id: ask again at once
                 advance = False
@@ -381,7 +400,9 @@ class FeedClient:
         than its ``max_count`` are split, so the stream carries on unchanged. A retryable
         ``err`` (``retry``: a restarted server, overload, object storage that does not
         answer) never ends the stream: the client backs off and asks again until
-        ``deadline`` seconds pass without progress.
+        ``deadline`` seconds pass without progress. A notice that the request waits on
+        the server's object storage is waited out on the same connection (logged, not
+        counted against ``deadline``; see the module docstring).
         """
         opts = self.options
         self._current()
@@ -408,6 +429,11 @@ class FeedClient:
                 asked = flow.expects(msg.req)
                 if asked is not None:  # else a stale answer (already received): dropped
                     flow.answer(msg.req, answer_of(asked, self.job, msg, received[1]))
+                continue
+            if isinstance(msg, protocol.Err) and self._storage_wait(msg):
+                # The request waits on the server, which retries its object storage within
+                # its budget: wait on, and that time is not counted against the deadline.
+                last_progress = time.monotonic()
                 continue
             self._recover(msg, last_progress, backoff)
             assert self.welcome is not None
@@ -439,6 +465,26 @@ class FeedClient:
             self.connection.sleep(backoff.next())
         # Silence: the next replica; a refusal or a restarted server: the same one.
         self.hello(deadline_at=last_progress + opts.deadline, failover=msg is None)
+
+    def _storage_wait(self, err: protocol.Err) -> float:
+        """For a server's notice that object storage does not answer while it retries
+        (a retryable ``storage_unavailable`` worded as
+        :meth:`~tokenfeed.errors.StorageUnavailable.retrying_message`): log it (at most
+        every 30 s) and return until when (``time.monotonic``) the server keeps trying;
+        0.0 for any other err (another refusal; a server that does not keep the request)."""
+        if not (err.retry and err.code == StorageUnavailable.code):
+            return 0.0
+        now = time.monotonic()
+        if now - self._storage_warned >= STORAGE_WARN_EVERY_S:
+            self._storage_warned = now
+            log.warning(
+                "the object storage behind the server at %s does not answer; waiting "
+                "while the server retries: %s",
+                self.endpoint,
+                err.message,
+            )
+        left = StorageUnavailable.seconds_left(err.message)
+        return 0.0 if left is None else now + left + 1.0
 
     def _send_get(self, rid: int, req: Request) -> None:
         assert self.welcome is not None

@@ -133,7 +133,7 @@ class Admission:
         # a mixture's hello pins each source (none: an older client's, or a new job)
         pins = tuple(msg.fingerprints) if msg.sources else (msg.fingerprint,)
         datasets = [
-            self._dataset(tenant, name, pins[i] if i < len(pins) else "")
+            self._dataset(tenant, name, pins[i] if i < len(pins) else "", bool(msg.sources))
             for i, name in enumerate(names)
         ]
         feed = open_feed(datasets, msg)
@@ -161,13 +161,16 @@ class Admission:
             log.info("job %s: %s (tenant %s, run %s)", jid, spec, tenant, spec.run or "-")
         return job
 
-    def _dataset(self, tenant: str, name: str, fingerprint: str) -> Dataset:
+    def _dataset(self, tenant: str, name: str, fingerprint: str, source: bool) -> Dataset:
+        """Version ``fingerprint`` of dataset ``name`` (``source``: of a mixture)."""
         try:
             return self.store.version(name, fingerprint)
         except VersionOpening as exc:  # opened off the loop: the client asks again
             raise StorageUnavailable(str(exc), retry=True) from None
         except VersionGone as exc:
-            raise DatasetChanged(str(exc)) from None
+            raise DatasetChanged(
+                f"mixture source {name!r}: {exc}" if source else str(exc)
+            ) from None
         except DatasetNotFound:
             # Name only what this tenant may read, and never the store's path.
             names = [

@@ -10,7 +10,7 @@ from typing import Any
 from tokenfeed_server.dataplane.jobs import Job
 from tokenfeed_server.dataplane.registry import Registry
 
-__all__ = ["EMPTY_SNAPSHOT", "make_snapshot"]
+__all__ = ["EMPTY_SNAPSHOT", "held_versions", "make_snapshot"]
 
 #: what the HTTP side reads before the loop's first snapshot
 EMPTY_SNAPSHOT: dict[str, Any] = {
@@ -18,6 +18,7 @@ EMPTY_SNAPSHOT: dict[str, Any] = {
     "connections": 0,
     "counters": {},
     "memory": {"jobs": 0, "connections": 0},
+    "held": {},
 }
 
 
@@ -45,7 +46,19 @@ def make_snapshot(
         "connections": len(registry.peers),
         "counters": dict(counters),
         "memory": registry_bytes(registry),
+        "held": held_versions(registry),
     }
+
+
+def held_versions(registry: Registry) -> dict[str, list[str]]:
+    """``{dataset: [fingerprint, ...]}``: every version a job reads (mixture sources
+    included), for the server's lease (:mod:`tokenfeed_server.store.leases`), which reads
+    it from another thread: hence built here, on the loop thread, with the snapshot."""
+    held: dict[str, set[str]] = {}
+    for job in registry.jobs.values():
+        for source in job.feed.sources:
+            held.setdefault(source.name, set()).add(source.dataset.fingerprint)
+    return {name: sorted(fps) for name, fps in sorted(held.items())}
 
 
 def registry_bytes(registry: Registry) -> dict[str, int]:

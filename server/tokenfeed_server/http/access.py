@@ -19,7 +19,17 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from tokenfeed_server.dataplane.auth import Tenant, token_digest
 from tokenfeed_server.http.state import State
 
-__all__ = ["Caller", "Reader", "Scraper", "Viewer", "caller", "reader", "scraper"]
+__all__ = [
+    "Caller",
+    "Prober",
+    "Reader",
+    "Scraper",
+    "Viewer",
+    "caller",
+    "prober",
+    "reader",
+    "scraper",
+]
 
 _bearer = HTTPBearer(auto_error=False)
 _WANT_BEARER = {"WWW-Authenticate": "Bearer"}
@@ -72,6 +82,18 @@ def caller(
     return Viewer(tenant, admin=False)
 
 
+def prober(
+    state: State,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Viewer:
+    """The caller of an endpoint open to all (``/readyz``): identified if it sends a known
+    token, else anonymous; never refused, so that a probe cannot fail on a token."""
+    try:
+        return caller(state, credentials)
+    except HTTPException:
+        return Viewer(None, admin=False)
+
+
 def reader(who: Annotated[Viewer, Depends(caller)]) -> Viewer:
     """A caller allowed to read jobs and datasets: the admin, a tenant, or anyone if open."""
     if who.tenant is None and not who.sees_all:
@@ -100,5 +122,6 @@ def scraper(state: State, who: Annotated[Viewer, Depends(caller)]) -> Viewer:
 
 
 Caller = Annotated[Viewer, Depends(caller)]
+Prober = Annotated[Viewer, Depends(prober)]
 Reader = Annotated[Viewer, Depends(reader)]
 Scraper = Annotated[Viewer, Depends(scraper)]

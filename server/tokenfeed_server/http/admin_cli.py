@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -25,7 +26,7 @@ from tokenfeed.errors import TokenFeedError
 from tokenfeed_server.config import DEFAULT_HTTP_PORT
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, RenderableType
     from rich.table import Table
     from rich.text import Text
 
@@ -148,23 +149,54 @@ def render_jobs(jobs: list[dict[str, Any]]) -> Table:
 
 
 def render_datasets(datasets: list[dict[str, Any]]) -> Table:
-    """One row per dataset: size, tokenizer, shards (or why it is not served)."""
+    """One row per dataset: storage status, size, tokenizer, shards (``-`` for one that
+    does not open); what is wrong is listed under the table (:func:`render_problems`)."""
     table = _table(
-        "NAME", "TOKENS", "DOCUMENTS", "TOKENIZER", "VOCAB", "EOS", "SHARDS", "CREATED",
+        "NAME", "STATUS", "TOKENS", "DOCUMENTS", "TOKENIZER", "VOCAB", "EOS", "SHARDS", "CREATED",
         right=("TOKENS", "DOCUMENTS", "VOCAB", "EOS", "SHARDS"),
     )  # fmt: skip
     for ds in sorted(datasets, key=lambda d: d["name"]):
-        if not ds["ok"]:
-            table.add_row(*_cells(ds["name"], "-", "-", "BROKEN: " + ds["error"], "", "", "", ""))
+        status = _health(ds)
+        if "tokenizer" not in ds:  # not opened: no manifest summary
+            table.add_row(*_cells(ds["name"], status, "-", "-", "-", "", "", "", ""))
             continue
         t = ds["tokenizer"]
         table.add_row(
             *_cells(
-                ds["name"], _count(ds["tokens"]), _count(ds["documents"]), t["kind"],
+                ds["name"], status, _count(ds["tokens"]), _count(ds["documents"]), t["kind"],
                 _count(t["vocab_size"]), t["eos_id"], ds["shards"], ds["created"],
             )
         )  # fmt: skip
     return table
+
+
+def _health(ds: dict[str, Any]) -> str:
+    # A server from before storage health sends ok only.
+    return str(ds.get("status") or ("ok" if ds["ok"] else "unavailable"))
+
+
+def render_problems(datasets: list[dict[str, Any]], now: float | None = None) -> Text | None:
+    """What is wrong with each dataset that is not ok: status, since when, the error, and
+    the missing or damaged objects by name; None when every dataset is ok."""
+    from rich.text import Text
+
+    now = time.time() if now is None else now
+    lines: list[str] = []
+    for ds in sorted(datasets, key=lambda d: d["name"]):
+        status = _health(ds)
+        if status == "ok":
+            continue
+        since = ds.get("since")
+        when = "" if since is None else f" since {_utc(since)} ({_ago(now - since)})"
+        lines.append(f"{ds['name']}: {status}{when}: {ds.get('error') or 'no error reported'}")
+        lines += [f"  {obj['kind']:<8} {obj['url']}" for obj in ds.get("objects") or ()]
+        if ds.get("fix"):
+            lines.append(f"  to fix: {ds['fix']}")
+    return Text("\n".join(lines)) if lines else None
+
+
+def _utc(seconds: float) -> str:
+    return f"{datetime.fromtimestamp(seconds, tz=timezone.utc):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def render_status(status: dict[str, Any], limits: dict[str, Any]) -> Table:
@@ -196,7 +228,9 @@ def render_status(status: dict[str, Any], limits: dict[str, Any]) -> Table:
 # ---------------------------------------------------------------------------- commands
 
 
-def _run(fetch: Callable[[Callable[[str], Any]], tuple[Any, Table]]) -> Callable[..., int]:
+def _run(
+    fetch: Callable[[Callable[[str], Any]], tuple[Any, RenderableType]],
+) -> Callable[..., int]:
     def handler(args: argparse.Namespace) -> int:
         url = args.url or os.environ.get("TOKENFEED_URL") or DEFAULT_URL
         token = args.token or os.environ.get("TOKENFEED_TOKEN") or None
@@ -211,17 +245,22 @@ def _run(fetch: Callable[[Callable[[str], Any]], tuple[Any, Table]]) -> Callable
     return handler
 
 
-def _jobs(get: Callable[[str], Any]) -> tuple[Any, Table]:
+def _jobs(get: Callable[[str], Any]) -> tuple[Any, RenderableType]:
     jobs = get("/v1/jobs")
     return jobs, render_jobs(jobs)
 
 
-def _datasets(get: Callable[[str], Any]) -> tuple[Any, Table]:
+def _datasets(get: Callable[[str], Any]) -> tuple[Any, RenderableType]:
+    from rich.console import Group
+    from rich.text import Text
+
     datasets = get("/v1/datasets")
-    return datasets, render_datasets(datasets)
+    problems = render_problems(datasets)
+    table = render_datasets(datasets)
+    return datasets, table if problems is None else Group(table, Text(""), problems)
 
 
-def _status(get: Callable[[str], Any]) -> tuple[Any, Table]:
+def _status(get: Callable[[str], Any]) -> tuple[Any, RenderableType]:
     status, limits = get("/v1/status"), get("/v1/limits")
     return status, render_status(status, limits)
 

@@ -1,5 +1,6 @@
 """Prometheus metrics, read from the data plane's snapshot at scrape time (zero cost on
-the hot path) and from the piece cache's counters of an ``s3://`` store."""
+the hot path), from the piece cache's counters of an ``s3://`` store, and from each
+dataset's storage health (:mod:`tokenfeed_server.http.dataset_health`)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from tokenfeed_server.http.dataset_health import DatasetEntry
 from tokenfeed_server.http.routes.status import memory_figures
 from tokenfeed_server.http.state import ServerState
+from tokenfeed_server.store.health import FaultKind, StorageHealth
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "SnapshotCollector", "exposition"]
 
@@ -60,6 +63,9 @@ class SnapshotCollector(Collector):
         cache = self.state.store.cache
         if cache is not None:
             yield from _cache_metrics(cache.stats())
+        yield from _storage_metrics(
+            cache.health if cache is not None else None, self.state.dataset_health.entries()
+        )
 
 
 def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
@@ -138,3 +144,41 @@ def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
         buckets=buckets,
         sum_value=stats["fetch_latency_sum_s"],
     )
+
+
+_STATUSES = ("ok", "degraded", "unavailable")
+_FAULT_KINDS: tuple[FaultKind, ...] = ("unreachable", "missing", "damaged", "exhausted")
+
+
+def _storage_metrics(health: StorageHealth | None, entries: list[DatasetEntry]) -> Iterator[Metric]:
+    """Object storage faults (zero for a local store: the series exist on every server,
+    so an alert need not know which kind it scrapes) and each dataset's status as a state
+    set: one series per status, 1 for the current one."""
+    errors = CounterMetricFamily(
+        "tokenfeed_storage_errors",
+        "Object storage faults seen, by kind (unreachable, missing, damaged, exhausted)",
+        labels=["kind"],
+    )
+    counts = dict(health.errors) if health is not None else {}
+    for kind in _FAULT_KINDS:
+        errors.add_metric([kind], counts.get(kind, 0))
+    yield errors
+    yield CounterMetricFamily(
+        "tokenfeed_storage_retries",
+        "Object storage requests tried again after a transient fault",
+        value=health.retries if health is not None else 0,
+    )
+    yield CounterMetricFamily(
+        "tokenfeed_storage_wait_seconds",
+        "Seconds requests spent waiting for object storage, summed over requests",
+        value=health.wait_s if health is not None else 0.0,
+    )
+    status = GaugeMetricFamily(
+        "tokenfeed_dataset_status",
+        "1 for each dataset's current status (ok, degraded, unavailable), 0 for the others",
+        labels=["dataset", "status"],
+    )
+    for entry in entries:
+        for name in _STATUSES:
+            status.add_metric([entry.name, name], 1 if entry.status == name else 0)
+    yield status

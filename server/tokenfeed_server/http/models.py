@@ -32,13 +32,33 @@ class Health(_Model):
 
 
 class Readiness(_Model):
-    """Readiness: whether trainers can be served now."""
+    """Readiness: whether trainers can be served now.
+
+    Ready once the store is open and both sockets are bound, and then as long as the store
+    holds no dataset or at least one of them serves: a store with every dataset
+    unavailable cannot serve anyone, an empty one is merely waiting for a ``prepare``
+    (``compose up`` starts the server before anything is prepared).
+    """
 
     status: Literal["ready", "not ready"] = Field(
-        description="`ready` once the store is open and both sockets are bound."
+        description="`ready` while the server can serve: the store is open, both sockets "
+        "are bound, and the store holds no dataset or at least one that serves."
     )
     zmq: str | None = Field(
         default=None, description="The data plane's ZeroMQ endpoint; null while not ready."
+    )
+    reason: str | None = Field(
+        default=None, description="Why the server is not ready; null when it is."
+    )
+    not_serving: list[str] = Field(
+        default_factory=list,
+        description="Datasets that do not serve now (status `unavailable`) that the caller "
+        "may see: all of them on an open server or for the admin token, a tenant's own for "
+        "its token, none without a token on an authenticated server.",
+    )
+    not_serving_count: int = Field(
+        default=0,
+        description="How many datasets do not serve now, whoever may see their names.",
     )
 
 
@@ -50,11 +70,71 @@ class TokenizerView(_Model):
     eos_id: int = Field(description="Id of the end-of-document token.")
 
 
-class DatasetView(_Model):
-    """The manifest summary of a dataset that opened cleanly."""
+#: A dataset's storage health (see :mod:`tokenfeed_server.store.health`).
+DatasetStatus = Literal["ok", "degraded", "unavailable"]
+
+_STATUS = (
+    "`ok`; `degraded`: object storage fails transiently and is being retried (jobs wait; "
+    "`error` is the last fault, `since` when the trouble began); `unavailable`: the "
+    "dataset does not serve (it fails to open, an object it needs is missing or damaged "
+    "(named in `objects`), or storage did not answer within the retry budget)."
+)
+
+
+class ObjectFaultView(_Model):
+    """One object of a dataset that object storage lacks or holds damaged."""
+
+    url: str = Field(description="The object's URL (`s3://BUCKET/KEY`).")
+    kind: Literal["missing", "damaged"] = Field(
+        description="`missing`: not in the bucket; `damaged`: its bytes fail the "
+        "manifest's checksums (or its size differs)."
+    )
+
+
+class _DatasetEntry(_Model):
+    """What every entry of ``/v1/datasets`` says, served or not: its name and health."""
 
     name: str = Field(description="Dataset name (its directory in the store).")
-    ok: Literal[True] = Field(description="True: the dataset is served.")
+    ok: bool = Field(
+        description="True while the dataset serves (status `ok` or `degraded`: a degraded "
+        "dataset's jobs wait for storage); false when `unavailable`."
+    )
+    status: DatasetStatus = Field(default="ok", description=_STATUS)
+    error: str | None = Field(
+        default=None,
+        description="What is wrong, with what to run (store paths only for the admin); "
+        "null when `ok`.",
+    )
+    since: float | None = Field(
+        default=None,
+        description="When the trouble began as this server saw it (Unix time, seconds); "
+        "null when `ok` or not known.",
+    )
+    objects: list[ObjectFaultView] = Field(
+        default_factory=list,
+        description="The missing or damaged objects known, named (empty when none is).",
+    )
+    fix: str | None = Field(
+        default=None,
+        description="What to run to make the named objects whole (`tokenfeed-server inspect "
+        "NAME --store URL --verify --repair --source DIR`, or a `prepare --overwrite` with the "
+        "same inputs); null when no object is named.",
+    )
+    version: str | None = Field(
+        default=None,
+        description="The dataset's current version (its build's fingerprint), which new "
+        "jobs read; null when not known.",
+    )
+    versions_in_use: list[str] | None = Field(
+        default=None,
+        description="Older versions of the dataset that running jobs still read (kept "
+        "until they end); null when not known.",
+    )
+
+
+class DatasetView(_DatasetEntry):
+    """The manifest summary of a dataset that opened, with its storage health."""
+
     fingerprint: str = Field(description="Identity of this build; changes on every rebuild.")
     tokens: int = Field(description="Tokens in the dataset, EOS tokens included.")
     documents: int = Field(description="Documents in the dataset.")
@@ -66,11 +146,11 @@ class DatasetView(_Model):
     created: str = Field(description="When the dataset was written (ISO 8601, UTC).")
 
 
-class BrokenDatasetView(_Model):
-    """A dataset on disk that fails to open and is not served."""
+class BrokenDatasetView(_DatasetEntry):
+    """A dataset in the store that fails to open and is not served."""
 
-    name: str = Field(description="Dataset name (its directory in the store).")
     ok: Literal[False] = Field(description="False: the dataset is not served.")
+    status: Literal["unavailable"] = Field(default="unavailable", description=_STATUS)
     error: str = Field(description="Why it is refused (store paths only for the admin).")
 
 
@@ -204,6 +284,10 @@ class LimitsView(_Model):
     max_connections: int = Field(description="Connections attached at once, in total.")
     max_connections_per_tenant: int = Field(description="Connections attached at once, per tenant.")
     max_jobs: int = Field(description="Jobs known at once; idle ones are forgotten first.")
+    max_jobs_per_tenant: int = Field(
+        description="Jobs one tenant may have at once (unless the tenants file sets its "
+        "own); a new job makes room only from its own tenant's idle jobs."
+    )
 
 
 class ConfigView(_Model):

@@ -11,13 +11,15 @@ from fastapi import Depends, Request
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane.auth import Tenants, token_digest
 from tokenfeed_server.dataplane.plane import DataPlane
+from tokenfeed_server.http.dataset_health import DatasetHealthView
 from tokenfeed_server.store import Store
 
 __all__ = ["ServerState", "State", "server_state"]
 
 
 class ServerState:
-    """What the HTTP side may read: config, store, data plane, and the ready flag."""
+    """What the HTTP side may read: config, store, data plane, the ready flag, and each
+    dataset's health (:attr:`dataset_health`)."""
 
     def __init__(
         self, config: ServerConfig, store: Store, dataplane: DataPlane, tenants: Tenants | None
@@ -27,6 +29,9 @@ class ServerState:
         self.dataplane = dataplane
         self.tenants = tenants
         self.ready = False
+        #: the store's datasets with their storage health (/v1/datasets, /readyz, /metrics)
+        self.dataset_health = DatasetHealthView(store)
+        self.dataset_health.entries()  # broken datasets' "since": from start-up on
         self.started = time.time()
         #: digest of --admin-token on an open server (an authenticated one keeps it in tenants)
         self.open_admin_sha256 = (

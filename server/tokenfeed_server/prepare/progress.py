@@ -8,7 +8,7 @@ import time
 from types import TracebackType
 from typing import Any
 
-__all__ = ["Progress"]
+__all__ = ["ByteProgress", "Progress"]
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +79,65 @@ class Progress:
             self._bar = None
         elif log_summary and not self._quiet:
             log.info("%s: done, %s", self.desc, self._rates())
+
+
+class ByteProgress:
+    """Bytes done of a known total (a download, a check), shown the way :class:`Progress`
+    shows documents: a tqdm bar on a terminal, a log line every few seconds otherwise,
+    nothing with ``enabled=False``. Call :meth:`begin` with the total, then :meth:`advance`.
+    """
+
+    def __init__(self, *, enabled: bool | None, desc: str) -> None:
+        self.desc = desc
+        self.done = 0
+        self.total = 0
+        self._enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._log = enabled is None and not self._enabled  # not a terminal: log lines
+        self._start = self._last_log = time.monotonic()
+        self._bar: Any = None
+        self._logged = False  # a short job ends without a line: it needed no progress
+
+    def begin(self, total_bytes: int) -> None:
+        """The bytes to be done in all (starts the bar)."""
+        self.total = total_bytes
+        self._start = self._last_log = time.monotonic()
+        if self._enabled and self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                desc=self.desc, total=total_bytes, unit="B", unit_scale=True, file=sys.stderr
+            )
+
+    def advance(self, nbytes: int) -> None:
+        """``nbytes`` more are done."""
+        self.done += nbytes
+        if self._bar is not None:
+            self._bar.update(nbytes)
+            return
+        now = time.monotonic()
+        if self._log and now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            self._logged = True
+            log.info("%s: %s", self.desc, self._line())
+
+    def _line(self) -> str:
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        return (
+            f"{self.done / 1e6:,.1f} of {self.total / 1e6:,.1f} MB{share}, "
+            f"{self.done / elapsed / 1e6:.1f} MB/s"
+        )
+
+    def close(self) -> None:
+        """Close the bar (a final log line when logging)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self._logged:
+            log.info("%s: done, %s", self.desc, self._line())
+
+    def __enter__(self) -> ByteProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

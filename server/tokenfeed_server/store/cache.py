@@ -23,22 +23,35 @@ and makes :attr:`PieceCache.wake_fd` readable, so the loop retries the request a
 
 A request's pieces are admitted all together or not at all (first come, first served):
 an admitted request always completes, so two requests can never each hold half the room
-the other needs.
+the other needs. Its pins hold until the data plane releases the waiter, after the retried
+request was served (:mod:`~tokenfeed_server.dataplane.serving`): under pressure a piece
+in place is never evicted before the request that waited for it has read it.
+
+Object storage that does not answer delays requests, never fails them before the budget
+(``--storage-retry-s``) is spent: a fetch keeps retrying, its waiters carry the fault
+(:mod:`~tokenfeed_server.store.cache_faults`), and no such fault is remembered once the
+fetch ends; only missing and damaged pieces are, for ``failure_ttl_s`` (a few seconds).
+Disk chores (unlinking evicted files, fitting the cache to a filling disk) run off the
+loop (:mod:`~tokenfeed_server.store.cache_disk`). :meth:`PieceCache.close` answers every
+waiting request (the server stops: retryable).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenfeed.errors import StoreError
+from tokenfeed_server.store.cache_disk import DiskKeeper, DiskUsage
+from tokenfeed_server.store.cache_faults import Faults
+from tokenfeed_server.store.cache_fetch import FetchPool
 from tokenfeed_server.store.cache_policy import (
     FETCHING,
     IDLE,
@@ -51,13 +64,19 @@ from tokenfeed_server.store.cache_policy import (
     prefetch_step,
     rows_per_request,
 )
-from tokenfeed_server.store.errors import CacheTooSmall, PieceUnreadable
+from tokenfeed_server.store.errors import (
+    CacheClosed,
+    CacheTooSmall,
+    PieceDamaged,
+    PieceMissing,
+    PieceUnreadable,
+)
 from tokenfeed_server.store.health import StorageHealth
-from tokenfeed_server.store.piece_fetch import FetchCounters, RetryPolicy, fetch_piece
+from tokenfeed_server.store.piece_fetch import FetchAbandoned, RetryPolicy
 from tokenfeed_server.store.piece_files import PieceDirectory
 from tokenfeed_server.store.piece_index import PieceIndex
 from tokenfeed_server.store.pieces import PieceRef, PieceSource
-from tokenfeed_server.store.waiters import NotResident, Waiter
+from tokenfeed_server.store.waiters import Completions, NotResident, StorageFault, Waiter
 
 __all__ = [
     "UNLIMITED_ROWS",
@@ -67,6 +86,7 @@ __all__ = [
     "PieceRef",
     "PieceSource",
     "PieceUnreadable",
+    "StorageFault",
     "Waiter",
 ]
 
@@ -79,13 +99,15 @@ class PieceCache:
     """Verified pieces of a remote store in ``directory``, at most ``capacity`` bytes.
 
     ``source`` serves range reads (an :class:`~tokenfeed_server.store.objects.ObjectStore`).
-    ``fetchers`` threads fetch; a failed GET (already retried by the object store's client
-    for what it knows to be transient) is tried up to ``attempts`` times in all, with
-    exponential backoff from ``backoff_s`` (a missing object is not retried); a piece
-    whose bytes do not match its digest is fetched again up to ``mismatch_attempts``
-    times, then reported unreadable (and, for ``failure_ttl_s``, answered so at once
-    instead of fetched again). At most ``max_open`` piece files stay open. The server
-    takes these from its settings (:class:`~tokenfeed_server.config.CacheSettings`).
+    ``fetchers`` threads fetch (see :mod:`~tokenfeed_server.store.piece_fetch`): storage
+    that does not answer is retried with backoff from ``backoff_s`` for ``retry_s``
+    seconds; a missing object is not retried; a piece whose bytes do not match its digest
+    is fetched again up to ``mismatch_attempts`` times; any other error ends after
+    ``attempts`` GETs. A piece found missing or damaged is answered so at once for
+    ``failure_ttl_s`` instead of fetched again. At most ``max_open`` piece files stay
+    open. The server takes these from its settings
+    (:class:`~tokenfeed_server.config.CacheSettings`, ``StorageSettings``);
+    ``disk_usage`` is for tests (a disk that fills).
 
     Only one process may use a directory (a lock file says so at start).
     """
@@ -100,66 +122,64 @@ class PieceCache:
         attempts: int = 3,
         mismatch_attempts: int = 3,
         backoff_s: float = 0.1,
-        failure_ttl_s: float = 30.0,
+        failure_ttl_s: float = 5.0,
         max_open: int = 1024,
+        retry_s: float = 900.0,
+        disk_usage: Callable[[Path], DiskUsage] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 byte, got {capacity}")
         self.capacity = int(capacity)
         self.source = source
-        self.retry = RetryPolicy(max(1, attempts), max(1, mismatch_attempts), backoff_s)
+        self.retry = RetryPolicy(max(1, attempts), max(1, mismatch_attempts), backoff_s, retry_s)
         #: What object storage did for each dataset lately (read by the HTTP side).
         self.health = StorageHealth()
+        self.faults = Faults(self.health)
         #: Taken by readers around residency checks and reads, and by every change.
         self.lock = threading.Lock()
         self._work = threading.Condition(self.lock)
         self._init_state(failure_ttl_s)
         self.files = PieceDirectory(directory)
         self.directory = self.files.directory
-        self._index = PieceIndex(self.capacity, self.files, max(16, max_open))
+        self._index = PieceIndex(self.capacity, self.files, max(16, max_open), self._evicted)
         self._entries = self._index.entries  # the same dict: looked up on every read
         self._order = self._index.order
         self._stats = self._index.stats
+        self._disk = DiskKeeper(
+            self.lock, self._index, self.files, queued=self._queued_prefetches,
+            grown=self._room_came_back, disk_usage=disk_usage,
+        )  # fmt: skip
         try:
-            self.removed_at_start = self._index.recover()
+            with self.lock:
+                self.removed_at_start = self._index.recover()
             if self.removed_at_start:
                 log.info(
                     "cache %s: removed %d temp files of an interrupted fetch",
                     self.directory,
                     self.removed_at_start,
                 )
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
+            self._done = Completions()
         except BaseException:
             self.files.release()
             raise
-        self._threads += [
-            threading.Thread(target=self._fetch_loop, name=f"tokenfeed-fetch-{i}", daemon=True)
-            for i in range(max(1, fetchers))
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._pool = FetchPool(
+            self.lock, next_task=self._next_task, finish=self._finish, source=source,
+            policy=self.retry, files=self.files, disk=self._disk, faults=self.faults,
+            health=self.health, stats=self._stats, fetchers=fetchers,
+        )  # fmt: skip
+        self._pool.start()
+        self._disk.start()
 
     def _init_state(self, failure_ttl_s: float) -> None:
         self._fetching = 0
         self._demand: collections.deque[PieceEntry] = collections.deque()
         self._prefetch: collections.deque[PieceEntry] = collections.deque()
         self._admission: collections.deque[Waiter] = collections.deque()
-        self._completed: list[Waiter] = []
         self._failed: FailureMemory[PieceUnreadable] = FailureMemory(failure_ttl_s)
         self._want_list: Sequence[PieceRef] = []
         self._want_digests: list[str] = []
         self._want_cursor = 0
-        self._counters = FetchCounters(self._count_fetch_error, self._count_mismatch)
         self._stop = False
-        self._wake_r = self._wake_w = -1
-        self._threads: list[threading.Thread] = []
-
-    @property
-    def attempts(self) -> int:
-        """GETs in all per piece before it is reported unreadable."""
-        return self.retry.attempts
 
     @property
     def mismatch_attempts(self) -> int:
@@ -167,13 +187,8 @@ class PieceCache:
         return self.retry.mismatch_attempts
 
     @property
-    def backoff_s(self) -> float:
-        """Seconds before the first retry (doubled at each)."""
-        return self.retry.backoff_s
-
-    @property
     def failure_ttl_s(self) -> float:
-        """Seconds an unreadable piece is answered so at once instead of fetched again."""
+        """Seconds a missing or damaged piece is answered so at once, not fetched again."""
         return self._failed.ttl_s
 
     # -- start-up --------------------------------------------------------------------
@@ -193,22 +208,14 @@ class PieceCache:
     def wake_fd(self) -> int:
         """A descriptor that turns readable when a waiter is done (poll it; see
         :meth:`completed`)."""
-        return self._wake_r
+        return self._done.fd
 
     def completed(self) -> list[Waiter]:
         """The waiters done since the last call (clears the wake descriptor)."""
-        if self._wake_r < 0:
-            return []
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:  # closed: the cache was closed
-            return []
+        if not self._done.clear_wake():
+            return []  # closed
         with self.lock:
-            done, self._completed = self._completed, []
-        return done
+            return self._done.take()
 
     def acquire_locked(
         self, digests: Sequence[str], refs: Callable[[], Sequence[PieceRef]]
@@ -341,6 +348,7 @@ class PieceCache:
             if entry.state != RESIDENT:
                 waiter.pending.add(entry.digest)
                 entry.waiters.append(waiter)
+                self.faults.attach(waiter, entry)
         if not waiter.pending:
             self._complete(waiter)
         self._work.notify_all()
@@ -371,13 +379,14 @@ class PieceCache:
 
     def _schedule_prefetch(self) -> None:
         """Queue wanted pieces not here yet, in order, while room allows without evicting
-        anything the plan wants (and at most a few ahead of the fetchers)."""
-        if self._stop:
+        anything the plan wants (and at most a few ahead of the fetchers); none while
+        object storage does not answer (the fetchers are for requests then)."""
+        now = time.monotonic()
+        if self._stop or self.faults.prefetch_paused(now):
             return
-        limit = 2 * len(self._threads) if self._threads else 8
+        limit = 2 * len(self._pool.threads)
         queued = sum(1 for e in self._prefetch if e.state == QUEUED)
         wants, digests = self._want_list, self._want_digests
-        now = time.monotonic()
         while self._want_cursor < len(digests) and queued < limit:
             entry = self._entries.get(digests[self._want_cursor])
             if entry is not None and entry.state != IDLE:
@@ -410,18 +419,9 @@ class PieceCache:
             self._work.notify_all()
 
     def _complete(self, waiter: Waiter) -> None:
-        waiter.finish()
-        self._completed.append(waiter)
-        if self._wake_w < 0:
-            return  # closed
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, InterruptedError):
-            pass  # the pipe is full: the loop is already due to wake
-        except OSError:
-            pass  # closed
+        self._done.complete(waiter)
 
-    # -- fetching (worker threads) -----------------------------------------------------
+    # -- fetching (the pool's threads, lock held) ---------------------------------------
 
     def _next_task(self) -> PieceEntry | None:
         """The next queued entry, demand first; None when stopping (lock held)."""
@@ -436,50 +436,6 @@ class PieceCache:
             self._work.wait()
         return None
 
-    def _fetch_loop(self) -> None:
-        while True:
-            with self.lock:
-                entry = self._next_task()
-                if entry is None:
-                    return
-                ref = entry.ref
-                demand = entry.demand
-            assert ref is not None
-            started = time.monotonic()
-            error: PieceUnreadable | None = None
-            fetched = 0
-            try:
-                fetched = self._fetch(ref)
-            except PieceUnreadable as exc:
-                error = exc
-            except Exception as exc:  # a bug must fail this piece, not the thread
-                log.exception("fetching %s failed", ref.url)
-                error = PieceUnreadable(f"{ref.url}: cannot fetch a piece: {exc}")
-            elapsed = time.monotonic() - started
-            with self.lock:
-                self._finish(entry, error, fetched, elapsed, demand)
-
-    def _fetch(self, ref: PieceRef) -> int:
-        """Put the verified piece at its place; return the bytes fetched (0: found here)."""
-        if self.files.verify(ref):  # left by an earlier run: trusted only if it hashes right
-            with self.lock:
-                self._stats.verified_local += 1
-            return 0
-        data, fetched = fetch_piece(self.source, ref, self.retry, self._counters, self._stopping)
-        self.files.install(ref, data)
-        return fetched
-
-    def _stopping(self) -> bool:
-        return self._stop
-
-    def _count_fetch_error(self) -> None:
-        with self.lock:
-            self._stats.fetch_errors += 1
-
-    def _count_mismatch(self) -> None:
-        with self.lock:
-            self._stats.checksum_mismatches += 1
-
     def _finish(
         self,
         entry: PieceEntry,
@@ -491,6 +447,14 @@ class PieceCache:
         self._fetching -= 1
         if fetched:
             self._stats.record_fetch(fetched, elapsed, demand=demand)
+        if self.faults.cleared(entry):
+            self._want_cursor = 0  # storage answers: look over what the plan wants again
+        if isinstance(error, FetchAbandoned) and entry.waiters and not self._stop:
+            # Nobody waited when it gave up, somebody does now: fetch it for them.
+            entry.state, entry.demand = QUEUED, True
+            self._demand.append(entry)
+            self._work.notify_all()
+            return
         waiters, entry.waiters = entry.waiters, []
         if error is None:
             self._index.arrived(entry)
@@ -498,15 +462,39 @@ class PieceCache:
                 waiter.pending.discard(entry.digest)
                 if not waiter.pending and not waiter.done:
                     self._complete(waiter)
+                else:
+                    self.faults.refresh(waiter)
         else:
+            self._failed_piece(entry, error, waiters)
+        self._admit_waiting()
+        self._schedule_prefetch()
+
+    def _failed_piece(
+        self, entry: PieceEntry, error: PieceUnreadable, waiters: list[Waiter]
+    ) -> None:
+        """A fetch ended without the piece: its room back, its waiters told. Only a
+        missing or damaged piece is remembered (a fault of the service is not: the next
+        request fetches afresh)."""
+        if not isinstance(error, FetchAbandoned):  # abandoned: nobody waits, no verdict
             self._stats.unreadable += 1
             log.error("%s", error)
+        if isinstance(error, PieceMissing | PieceDamaged):
             self._failed.remember(entry.digest, error, time.monotonic())
-            self._index.drop(entry)
-            for waiter in waiters:
-                if not waiter.done:
-                    waiter.error = error
-                    self._complete(waiter)
+        self._index.drop(entry)
+        for waiter in waiters:
+            if not waiter.done:
+                waiter.error = error
+                self._complete(waiter)
+
+    # -- the disk's side (lock held) ----------------------------------------------------
+
+    def _evicted(self) -> None:
+        self._disk.evicted()
+
+    def _queued_prefetches(self) -> Sequence[PieceEntry]:
+        return self._prefetch
+
+    def _room_came_back(self) -> None:
         self._admit_waiting()
         self._schedule_prefetch()
 
@@ -524,37 +512,51 @@ class PieceCache:
                 "fetching": self._fetching,
                 "admission_queue": len(self._admission),
                 "wanted_pieces": len(self._order.plan),
+                "capacity_effective_bytes": self._index.capacity,
+                "retrying": self.faults.retrying_pieces,
                 **self._stats.as_dict(),
             }
+
+    def fault_of(self, waiter: Waiter) -> StorageFault | None:
+        """Why ``waiter`` still waits, if object storage does not answer (the loop reads
+        it without the lock; see :meth:`Faults.of <.cache_faults.Faults.of>`)."""
+        return self.faults.of(waiter)
 
     def disk_bytes(self) -> int:
         """Bytes of every file under the cache directory now (temp files included)."""
         return self.files.disk_bytes()
 
     def close(self) -> None:
-        """Stop the fetchers, close every file; waiting requests get an error."""
+        """Stop the fetchers, close every file; every waiting request is answered with
+        :class:`CacheClosed` (retryable: the server stops)."""
         with self.lock:
             if self._stop:
                 return
             self._stop = True
+            self._pool.stopped.set()
             self._work.notify_all()
-        # A fetcher inside a slow GET is a daemon thread: the stop does not wait it out.
-        deadline = time.monotonic() + 5.0
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            stopping = CacheClosed("the server is stopping; ask again (it or another replica)")
+            for waiter in self._waiting():
+                waiter.error = stopping
+                self._complete(waiter)
+            self._admission.clear()
+        self._pool.stop()
+        self._disk.stop()
         with self.lock:
             self._index.close_files()
-            for waiter in list(self._admission):
-                waiter.error = StoreError("the server is stopping")
-                waiter.finish()
-            self._admission.clear()
-        with self.lock:  # a fetcher finishing late must not write to a reused descriptor
-            fds = (self._wake_r, self._wake_w)
-            self._wake_r = self._wake_w = -1
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            self._done.close()  # a fetcher finishing late must not write to a reused fd
         self.files.release()
+
+    def _waiting(self) -> Iterator[Waiter]:
+        """Every waiter not done: waiting for room, or for pieces (lock held)."""
+        seen: set[int] = set()
+        waiters = itertools.chain(
+            self._admission, (w for e in self._entries.values() for w in e.waiters)
+        )
+        for waiter in waiters:
+            if not waiter.done and id(waiter) not in seen:
+                seen.add(id(waiter))
+                yield waiter
 
 
 def _unique(refs: Iterable[PieceRef]) -> list[PieceRef]:

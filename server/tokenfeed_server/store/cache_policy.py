@@ -14,7 +14,9 @@ The rules:
   yet) are cancelled before any file is evicted; nothing is chosen unless the whole
   request then fits (admission is all or nothing).
 * **What to fetch next** (:func:`prefetch_step`): wanted pieces in plan order, skipping
-  those here or on their way and those that failed recently (:class:`FailureMemory`).
+  those here or on their way and those found missing or damaged within the last few
+  seconds (:class:`FailureMemory`; unreachable storage is never remembered: its fetch is
+  still going, or gave up with nobody waiting).
 * **How big a request may be** (:func:`rows_per_request`).
 """
 
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from tokenfeed_server.store.pieces import PieceRef
 
 if TYPE_CHECKING:
-    from tokenfeed_server.store.waiters import Waiter
+    from tokenfeed_server.store.waiters import StorageFault, Waiter
 
 __all__ = [
     "FETCHING",
@@ -68,6 +70,7 @@ class PieceEntry:
     pins: int = 0
     demand: bool = False  # queued for a waiting request (else: prefetch)
     waiters: list[Waiter] = field(default_factory=list)
+    fault: StorageFault | None = None  # its fetch retries storage that does not answer
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -211,8 +214,9 @@ E = TypeVar("E")
 
 
 class FailureMemory(Generic[E]):
-    """The pieces that failed within the last ``ttl_s`` seconds, and why: answered at once
-    instead of fetched again (a missing object stays missing for a while)."""
+    """The pieces found missing or damaged within the last ``ttl_s`` seconds, and why:
+    answered at once instead of fetched again (a request retried at once would only find
+    them so again), yet briefly, so that a restored object is served within seconds."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s

@@ -9,6 +9,12 @@ gone (:class:`ObjectNotFound`), an object's bytes are not what the manifest says
 ``object_missing``, ``object_damaged``); anything else about a dataset stays
 ``unknown_dataset``, as before. The data plane calls it where a store exception becomes
 an ``err`` frame, so the mapping lives here, next to the exceptions, and only here.
+
+Unreachable storage is retried by the piece cache for a budget (``--storage-retry-s``);
+only once it is spent does a request fail, with :class:`StorageExhausted`, which is not
+retryable (the server already waited for the trainer). A stopping server
+(:class:`CacheClosed`) and a server out of file descriptors
+(:class:`CacheOutOfDescriptors`) are the server's faults, retryable, never the dataset's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from tokenfeed.errors import (
 
 __all__ = [
     "BucketNotFound",
+    "CacheClosed",
+    "CacheDiskFull",
+    "CacheOutOfDescriptors",
     "CacheTooSmall",
     "DamagedShardObject",
     "MissingShardObject",
@@ -35,6 +44,7 @@ __all__ = [
     "PieceMissing",
     "PieceUnavailable",
     "PieceUnreadable",
+    "StorageExhausted",
     "StorageUnreachable",
     "wire_error",
 ]
@@ -84,11 +94,31 @@ class PieceDamaged(PieceUnreadable):
 
 
 class PieceUnavailable(PieceUnreadable):
-    """Object storage did not deliver the piece in the attempts allowed."""
+    """Object storage did not deliver the piece (the fetch gave up, or the server stops)."""
+
+
+class StorageExhausted(PieceUnavailable):
+    """Object storage stayed unreachable for the whole retry budget (``--storage-retry-s``):
+    the request fails for good; the message names the object and the last error."""
 
 
 class CacheTooSmall(StoreError):
     """One request needs more pieces at once than the whole cache holds."""
+
+
+class CacheClosed(StoreError):
+    """The server is stopping: a request waiting for pieces is answered so (retryable: the
+    trainer reconnects, to this server restarted or to another replica)."""
+
+
+class CacheOutOfDescriptors(StoreError):
+    """The server has no file descriptor left to open a cached piece (EMFILE, ENFILE):
+    the operator raises the limit or lowers ``--cache-max-open``; retryable."""
+
+
+class CacheDiskFull(PieceUnreadable):
+    """The disk under the cache refused a piece for lack of space (ENOSPC, EDQUOT); the
+    cache shrinks and tries again before anyone sees this."""
 
 
 # Most specific first: BucketNotFound is an ObjectNotFound, but a missing bucket is the
@@ -98,13 +128,18 @@ _KINDS: tuple[tuple[type[BaseException], type[ServerError], bool], ...] = (
     (MissingShardObject, ObjectMissing, False),
     (BucketNotFound, StorageUnavailable, False),
     (ObjectNotFound, ObjectMissing, False),
+    (CacheDiskFull, ServerError, True),  # not the piece's fault (a PieceUnreadable)
     (PieceDamaged, ObjectDamaged, False),
     (DamagedShardObject, ObjectDamaged, False),
     (ObjectTruncated, ObjectDamaged, False),
+    (StorageExhausted, StorageUnavailable, False),  # the server waited its whole budget
     (PieceUnavailable, StorageUnavailable, True),
     (StorageUnreachable, StorageUnavailable, True),
     # refused credentials, access denied: the operator must act, a retry will not help
     (ObjectStoreError, StorageUnavailable, False),
+    # the server's own faults: asking again (here, or at another replica) may succeed
+    (CacheClosed, ServerError, True),
+    (CacheOutOfDescriptors, ServerError, True),
 )
 
 
@@ -112,8 +147,10 @@ def wire_error(exc: BaseException, message: str | None = None) -> ServerError:
     """The :class:`~tokenfeed.errors.ServerError` a trainer gets for store exception
     ``exc``: :class:`~tokenfeed.errors.StorageUnavailable` (``retry`` True when the
     service may answer later), :class:`~tokenfeed.errors.ObjectMissing` or
-    :class:`~tokenfeed.errors.ObjectDamaged` for faults of object storage, else
-    :class:`~tokenfeed.errors.UnknownDataset` (a damaged local dataset, a bug).
+    :class:`~tokenfeed.errors.ObjectDamaged` for faults of object storage, a retryable
+    :class:`~tokenfeed.errors.ServerError` for the server's own (stopping, out of file
+    descriptors, a full cache disk), else :class:`~tokenfeed.errors.UnknownDataset` (a
+    damaged local dataset, a bug).
 
     ``message`` replaces ``str(exc)`` (the caller may not want to show the store's path);
     ``.code`` and ``.retry`` of the result are what goes on the wire.

@@ -289,14 +289,21 @@ def _file_checksum(fd: int, path: Path, algo: str, skip: int) -> str:
 
 
 def open_dataset(
-    store: str | os.PathLike[str], name: str, *, verify_checksums: bool = False
+    store: str | os.PathLike[str],
+    name: str,
+    *,
+    verify_checksums: bool = False,
+    path: str | os.PathLike[str] | None = None,
 ) -> LocalDataset:
-    """Open ``<store>/<name>``: check the manifest and every shard's header and size.
+    """Open ``<store>/<name>`` (or the build of ``name`` at ``path``: a kept older version,
+    see :mod:`~tokenfeed_server.store.versions`): check the manifest and every shard's
+    header and size.
 
     Raises DatasetNotFound, ManifestError or CorruptShard with the file named and what to
     do. ``verify_checksums`` also hashes every shard (reads the whole dataset).
     """
-    path = Path(store) / validate_dataset_name(name)
+    validate_dataset_name(name)
+    path = Path(store) / name if path is None else Path(path)
     try:
         # One directory descriptor for the manifest and every shard: one open, one build.
         dir_fd = os.open(path, _RDONLY | os.O_DIRECTORY)

@@ -36,12 +36,16 @@ from tokenfeed_server.store.errors import (
 )
 
 __all__ = [
+    "MULTIPART_CHUNKSIZE",
+    "MULTIPART_THRESHOLD",
     "BucketNotFound",
+    "ConditionalWritesUnsupported",
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
     "ObjectStoreError",
     "ObjectTruncated",
+    "PreconditionFailed",
     "S3Location",
     "StorageUnreachable",
     "is_remote",
@@ -52,6 +56,21 @@ _BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{2,62}")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _DEFAULT_ATTEMPTS = 5
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
+#: Uploads of at least this many bytes go in parts of :data:`MULTIPART_CHUNKSIZE` (boto3's
+#: transfer settings, fixed here: an object's ETag depends on them, and publish predicts it
+#: to tell an intact object from a damaged one, see :meth:`ObjectStore.part_size`).
+MULTIPART_THRESHOLD = 64 << 20
+MULTIPART_CHUNKSIZE = 16 << 20
+
+
+class PreconditionFailed(ObjectStoreError):
+    """A conditional write lost: the object changed (If-Match) or exists (If-None-Match)
+    since it was read. Nothing was written."""
+
+
+class ConditionalWritesUnsupported(ObjectStoreError):
+    """The service does not implement If-Match / If-None-Match on writes (501
+    NotImplemented): the caller writes unconditionally, knowing a race is possible."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +185,8 @@ class ObjectStore:
         max_pool_connections: int = 32,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        multipart_threshold: int = MULTIPART_THRESHOLD,
+        multipart_chunksize: int = MULTIPART_CHUNKSIZE,
     ) -> None:
         self.location = location
         try:
@@ -193,8 +214,19 @@ class ObjectStore:
         except Exception as exc:  # botocore: a bad profile, region or endpoint in config
             raise self._error(exc, "connecting", "") from exc
         self._transfer = boto3.s3.transfer.TransferConfig(
-            multipart_threshold=64 << 20, multipart_chunksize=16 << 20, max_concurrency=8
+            multipart_threshold=multipart_threshold,
+            multipart_chunksize=multipart_chunksize,
+            max_concurrency=8,
         )
+
+    def part_size(self, size: int) -> int | None:
+        """The part size :meth:`put_file` uploads a file of ``size`` bytes in, None for one
+        PUT: what an S3 ETag (MD5 of the parts' MD5s, ``-N``) of the upload is made of."""
+        from s3transfer.utils import ChunksizeAdjuster
+
+        if size < self._transfer.multipart_threshold:
+            return None
+        return int(ChunksizeAdjuster().adjust_chunksize(self._transfer.multipart_chunksize, size))
 
     @property
     def endpoint(self) -> str:
@@ -213,6 +245,21 @@ class ObjectStore:
             resp = self._client.get_object(Bucket=self.location.bucket, Key=self.location.key(key))
             return bytes(resp["Body"].read())
         except Exception as exc:
+            raise self._error(exc, "read", key) from exc
+
+    def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        """Object ``key`` and its ETag, or None when its ETag is still ``etag``
+        (If-None-Match: one request, no body, when nothing changed). ObjectNotFound if
+        there is no such object."""
+        args: dict[str, Any] = {"Bucket": self.location.bucket, "Key": self.location.key(key)}
+        if etag:
+            args["IfNoneMatch"] = f'"{etag}"'
+        try:
+            resp = self._client.get_object(**args)
+            return bytes(resp["Body"].read()), str(resp.get("ETag", "")).strip('"')
+        except Exception as exc:
+            if etag and _status(exc)[1] == 304:
+                return None
             raise self._error(exc, "read", key) from exc
 
     def get_range(self, key: str, start: int, stop: int) -> bytes:
@@ -290,16 +337,59 @@ class ObjectStore:
         except Exception as exc:
             raise self._error(exc, "bucket check", "", bucket_call=True) from exc
 
-    # -- writes --------------------------------------------------------------------------
+    def check_readable(self) -> None:
+        """Fail early when the store cannot be read: a listing of one key under the prefix.
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        """Write object ``key`` (replacing any; S3 makes the new version visible whole)."""
+        What ``serve`` checks: it needs no write permission (HeadBucket would also need
+        s3:ListBucket on the whole bucket, where a policy may grant it per prefix only).
+        """
+        full = self.location.key("")
         try:
-            self._client.put_object(
-                Bucket=self.location.bucket, Key=self.location.key(key), Body=data
+            self._client.list_objects_v2(
+                Bucket=self.location.bucket, Prefix=f"{full}/" if full else "", MaxKeys=1
             )
         except Exception as exc:
+            raise self._error(exc, "read check", "", bucket_call=True) from exc
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put_bytes(
+        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
+    ) -> str:
+        """Write object ``key`` (replacing any; S3 makes the new version visible whole);
+        return its new ETag.
+
+        ``if_match``: only if the object's ETag is still this; ``if_none_match``: only if
+        there is no such object. A write that loses raises :class:`PreconditionFailed`
+        (nothing written); a service without conditional writes
+        :class:`ConditionalWritesUnsupported`.
+        """
+        args: dict[str, Any] = {
+            "Bucket": self.location.bucket,
+            "Key": self.location.key(key),
+            "Body": data,
+        }
+        if if_match is not None:
+            args["IfMatch"] = f'"{if_match}"'
+        if if_none_match:
+            args["IfNoneMatch"] = "*"
+        try:
+            resp = self._client.put_object(**args)
+        except Exception as exc:
+            code, status = _status(exc)
+            conditional = if_match is not None or if_none_match
+            if conditional and (status == 412 or code in _CONFLICT_CODES):
+                raise PreconditionFailed(
+                    f"{self.url(key)}: conditional write lost ({code or status}): the "
+                    "object changed since it was read"
+                ) from exc
+            if conditional and (status == 501 or code == "NotImplemented"):
+                raise ConditionalWritesUnsupported(
+                    f"{self.url(key)}: the service at {self.endpoint} does not support "
+                    f"conditional writes ({code or status})"
+                ) from exc
             raise self._error(exc, "write", key) from exc
+        return str(resp.get("ETag", "")).strip('"')
 
     def put_file(self, key: str, path: Path) -> None:
         """Upload ``path`` as object ``key`` (multipart, in parallel, for big files)."""
@@ -422,14 +512,35 @@ class ObjectStore:
                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN or the profile"
             )
         if code in ("AccessDenied", "403", "Forbidden", "AllAccessDisabled") or status == 403:
+            needs = (
+                "s3:GetObject and s3:ListBucket (what reading needs; serve writes only its "
+                "leases under _tokenfeed/leases/, prepare needs s3:PutObject, gc "
+                "s3:DeleteObject)"
+                if verb in _READ_VERBS
+                else "s3:GetObject, s3:PutObject, s3:ListBucket (and s3:DeleteObject for gc)"
+            )
             return ObjectStoreError(
-                f"{url}: access denied ({verb}: {message}); check the "
-                "credentials and that their policy allows s3:GetObject, s3:PutObject, "
-                "s3:ListBucket (and s3:DeleteObject for gc) on this bucket and prefix"
+                f"{url}: access denied ({verb}: {message}); check the credentials and that "
+                f"their policy allows {needs} on this bucket and prefix"
             )
         # throttling or a 5xx still failing after botocore's retries: may pass later
         kind = StorageUnreachable if status >= 500 or code in _TRANSIENT_CODES else ObjectStoreError
         return kind(f"{url}: {verb} failed: {code or status} {message} (after retries)")
+
+
+#: What a lost conditional write answers besides 412 (AWS: 409 when two race at once).
+_CONFLICT_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict"})
+#: The verbs of requests that only read (an access-denied message names read rights only).
+_READ_VERBS = frozenset({"read", "download", "lookup", "listing", "read check"})
+
+
+def _status(exc: BaseException) -> tuple[str, int]:
+    """The error code and HTTP status of a botocore ``ClientError`` (``("", 0)`` else)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return "", 0
+    code = str(response.get("Error", {}).get("Code", ""))
+    return code, int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
 
 
 #: Error codes S3 and its look-alikes answer when overloaded (retried by botocore first).

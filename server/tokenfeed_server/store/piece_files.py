@@ -19,16 +19,20 @@ import uuid
 from pathlib import Path
 
 from tokenfeed.errors import StoreError
-from tokenfeed_server.store.errors import PieceUnreadable
+from tokenfeed_server.store.errors import CacheDiskFull, CacheOutOfDescriptors, PieceUnreadable
 from tokenfeed_server.store.format import piece_digest
 from tokenfeed_server.store.pieces import PieceRef
 
-__all__ = ["PieceDirectory"]
+__all__ = ["OUT_OF_DESCRIPTORS", "PieceDirectory"]
 
 log = logging.getLogger(__name__)
 
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 _TEMP_SUFFIX = ".part"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NO_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+#: What a server out of file descriptors should do (the words trainers and the log see).
+OUT_OF_DESCRIPTORS = "too many open files: raise the limit or lower --cache-max-open"
 
 
 class PieceDirectory:
@@ -97,8 +101,9 @@ class PieceDirectory:
         return False
 
     def install(self, ref: PieceRef, data: bytes) -> None:
-        """Write the verified bytes of ``ref`` into place (PieceUnreadable if the disk
-        refuses)."""
+        """Write the verified bytes of ``ref`` into place: CacheDiskFull if the disk has
+        no room, PieceUnreadable if it refuses otherwise (the message a trainer may see
+        names no path: the log does)."""
         temp = self.tmp / f"{ref.digest}.{uuid.uuid4().hex[:8]}{_TEMP_SUFFIX}"
         try:
             with open(temp, "wb") as f:
@@ -106,19 +111,28 @@ class PieceDirectory:
             os.rename(temp, self.pieces / ref.digest)
         except OSError as exc:
             _unlink(temp)
-            raise PieceUnreadable(
-                f"cannot write a piece of {ref.url} to the cache {self.directory}: "
-                f"{exc.strerror or exc}; check the disk under --cache-dir"
+            log.error("cannot write %s to the cache %s: %s", ref.url, self.directory, exc)
+            kind = CacheDiskFull if exc.errno in _NO_SPACE else PieceUnreadable
+            raise kind(
+                f"cannot write a piece of {ref.url} to the server's cache: "
+                f"{exc.strerror or exc}; the operator should check the disk under --cache-dir"
             ) from exc
 
     def open(self, digest: str) -> int:
-        """A read-only descriptor of the piece file ``digest``."""
+        """A read-only descriptor of the piece file ``digest`` (the errors name no path:
+        the log does)."""
+        path = self.pieces / digest
         try:
-            return os.open(self.pieces / digest, os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
+            log.error("cannot open the cached piece %s: %s", path, exc)
+            if exc.errno in _NO_DESCRIPTORS:
+                raise CacheOutOfDescriptors(
+                    f"the server cannot open a cached piece: {OUT_OF_DESCRIPTORS}"
+                ) from exc
             raise StoreError(
-                f"cache file {self.pieces / digest} is unreadable: {exc.strerror or exc}; "
-                "something else changed the cache directory: restart the server"
+                f"the cached piece {digest} is unreadable: {exc.strerror or exc}; something "
+                "else changed the server's cache directory: the operator should restart it"
             ) from exc
 
     def remove(self, digest: str) -> None:

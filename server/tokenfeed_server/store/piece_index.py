@@ -5,6 +5,12 @@ The accounting half of the cache's mechanism (:mod:`~tokenfeed_server.store.cach
 the threads, the pins and the waiting requests). Not thread-safe: the cache's lock
 guards every call. Every byte of an entry counts from the moment its room is reserved
 until it is dropped or evicted, so :attr:`PieceIndex.used` never exceeds the capacity.
+
+Nothing here touches the disk's directory: an evicted piece's file is only named in
+:attr:`PieceIndex.doomed`, and unlinked by a background thread
+(:mod:`~tokenfeed_server.store.cache_disk`), since evictions happen on the data plane's
+loop thread, which must not wait on the file system. The capacity is the effective one:
+:attr:`PieceIndex.limit` (``--cache-size``) or less while the disk is nearly full.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tokenfeed_server.store.cache_policy import (
     IDLE,
@@ -31,10 +37,23 @@ __all__ = ["PieceIndex"]
 
 class PieceIndex:
     """The entries of a cache of ``capacity`` bytes over the files ``files``; at most
-    ``max_open`` piece files stay open (more while one read needs them)."""
+    ``max_open`` piece files stay open (more while one read needs them). ``on_evict`` is
+    called (lock held) when a file is to be unlinked (:attr:`doomed`)."""
 
-    def __init__(self, capacity: int, files: PieceDirectory, max_open: int) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        files: PieceDirectory,
+        max_open: int,
+        on_evict: Callable[[], None] = lambda: None,
+    ) -> None:
+        #: the most bytes the cache may hold (--cache-size)
+        self.limit = capacity
+        #: the most it holds now: :attr:`limit`, or less while the disk is nearly full
         self.capacity = capacity
+        #: digests of evicted pieces whose files are not unlinked yet
+        self.doomed: list[str] = []
+        self._on_evict = on_evict
         self.files = files
         self.max_open = max_open
         self.entries: dict[str, PieceEntry] = {}
@@ -118,12 +137,14 @@ class PieceIndex:
         entry.state = IDLE  # a queued copy in a deque is skipped
 
     def evict(self, entry: PieceEntry) -> None:
-        """Remove a piece's file and entry."""
+        """Remove a piece's entry; its file is unlinked later (:attr:`doomed`)."""
         self.order.remove(entry.digest)
         fd = self.open.pop(entry.digest, None)
         if fd is not None:
             os.close(fd)
-        self.files.remove(entry.digest)
+        if entry.state != QUEUED:  # a queued entry has no file (make_room drops those)
+            self.doomed.append(entry.digest)
+            self._on_evict()
         if self.entries.get(entry.digest) is entry:
             del self.entries[entry.digest]
             self.used -= entry.size
@@ -132,6 +153,28 @@ class PieceIndex:
                 self.resident_count -= 1
         entry.state = IDLE
         self.stats.evictions += 1
+
+    def take_doomed(self) -> list[str]:
+        """The files to unlink now (the caller unlinks them, without the lock)."""
+        doomed, self.doomed = self.doomed, []
+        return doomed
+
+    def shrink(self, capacity: int, queued: Sequence[PieceEntry]) -> int:
+        """Hold at most ``capacity`` bytes from now on: evict unpinned pieces (queued
+        prefetches first, then in eviction order) until they fit, or nothing more may go.
+        Returns the bytes still over (held by pinned pieces: admission waits for them)."""
+        self.capacity = max(0, min(self.limit, capacity))
+        for entry in list(queued):
+            if self.used <= self.capacity:
+                break
+            if entry.state == QUEUED and not entry.pins:
+                self.drop(entry)
+        for entry in list(self.order.candidates(evict_wanted=True)):
+            if self.used <= self.capacity:
+                break
+            if not entry.pins:
+                self.evict(entry)
+        return max(0, self.used - self.capacity)
 
     def arrived(self, entry: PieceEntry) -> None:
         """``entry``'s file is in place and verified."""

@@ -42,13 +42,20 @@ class PieceSource(Protocol):
 
 @dataclass(frozen=True)
 class PieceRef:
-    """One piece: its digest (the cache's key) and where to fetch it."""
+    """One piece: its digest (the cache's key), where to fetch it, and the dataset it
+    was asked for (whose storage health a fault or a fetch is recorded under)."""
 
     digest: str
     key: str  # object key, relative to the store's prefix
     start: int
     stop: int
     url: str  # the object's full URL, for error messages
+    dataset: str = ""  # "": the key's first segment (the dataset's directory)
+
+    @property
+    def dataset_name(self) -> str:
+        """The dataset this piece was asked for."""
+        return self.dataset or self.key.partition("/")[0]
 
     @property
     def size(self) -> int:
@@ -113,7 +120,8 @@ class PieceList(PieceSequence):
         if url is None:
             url = self._urls[k] = self._objects.url(key)
         start = i * self._piece
-        return PieceRef(shard.pieces[i], key, start, min(start + self._piece, self.sizes[k]), url)
+        stop = min(start + self._piece, self.sizes[k])
+        return PieceRef(shard.pieces[i], key, start, stop, url, self._name)
 
 
 #: (dataset, first piece id, end piece id) of a remote dataset's pieces

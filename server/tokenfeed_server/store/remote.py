@@ -27,6 +27,7 @@ from tokenfeed_server.store.reader import (
     pread_exact,
     validate_dataset_name,
 )
+from tokenfeed_server.store.versions import version_key
 from tokenfeed_server.store.waiters import NotResident
 
 if TYPE_CHECKING:
@@ -133,10 +134,24 @@ class RemoteDataset(Dataset):
             raise self._cache_error(gid, problem)
 
     def _cache_error(self, gid: int, what: str) -> StoreError:
+        """The error for a cached piece that cannot be read: out of file descriptors is
+        said as such; else the cache directory changed under the server. The message may
+        reach trainers: it names no path (the data plane logs the cache directory)."""
+        import errno
+
+        from tokenfeed_server.store.errors import CacheOutOfDescriptors
+        from tokenfeed_server.store.piece_files import OUT_OF_DESCRIPTORS
+
+        piece = self.pieces[gid]
+        if what in (os.strerror(errno.EMFILE), os.strerror(errno.ENFILE)):
+            return CacheOutOfDescriptors(
+                f"dataset {self.name!r}: the server cannot read the cached piece "
+                f"{piece.digest} of {piece.url}: {OUT_OF_DESCRIPTORS}"
+            )
         return StoreError(
-            f"dataset {self.name!r}: the cached piece {self.pieces[gid].digest} of "
-            f"{self.pieces[gid].url} cannot be read ({what}): something changed the cache "
-            f"directory {self.cache.directory}; restart the server"
+            f"dataset {self.name!r}: the cached piece {piece.digest} of {piece.url} cannot "
+            f"be read ({what}): something changed the server's cache directory; the "
+            "operator should restart the server"
         )
 
     def _acquire(self, gids: Iterable[int]) -> dict[int, int]:
@@ -165,6 +180,8 @@ class RemoteDataset(Dataset):
     ) -> None:
         """:meth:`Dataset._gather` from the cache (NotResident, nothing read, if pieces
         are missing): every row into ``rows`` when given, else into ``out``'s rows."""
+        import errno
+
         self._check_open()
         row = length * self.dtype.itemsize
         plan = self._plan_rows(starts_arr, length)
@@ -185,12 +202,15 @@ class RemoteDataset(Dataset):
                 row_bufs = itertools.compress(row_bufs, plan.simple.tolist())
             try:
                 got = sum(map(os.preadv, fds_simple, row_bufs, plan.inner.tolist()))
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):  # said as such, not "changed"
+                    raise self._cache_error(int(plan.ids[0]), os.strerror(exc.errno)) from exc
                 got = -1
             if got != len(fds_simple) * row:
+                # the message may reach trainers: no path (the data plane logs the directory)
                 raise StoreError(
                     f"dataset {self.name!r}: a cached piece read short; something changed "
-                    f"the cache directory {self.cache.directory}: restart the server"
+                    "the server's cache directory: the operator should restart the server"
                 )
             if plan.simple is not None:
                 # Where the fast path would have put them: ``rows`` when given (maybe
@@ -330,19 +350,26 @@ def list_remote_datasets(objects: ObjectStore) -> dict[str, tuple[str, int]]:
     return found
 
 
-def open_remote_dataset(objects: ObjectStore, cache: PieceCache, name: str) -> RemoteDataset:
+def open_remote_dataset(
+    objects: ObjectStore, cache: PieceCache, name: str, *, fingerprint: str | None = None
+) -> RemoteDataset:
     """Open dataset ``name`` of a remote store: read and check its manifest (version 2,
     with per-piece digests), and check that every shard object exists with its size.
 
-    Nothing else is read: pieces come into the cache on demand, verified.
+    The current version (``NAME/manifest.json``), or with ``fingerprint`` that kept version
+    (``NAME/versions/<fingerprint>.json``, see :mod:`~tokenfeed_server.store.versions`):
+    DatasetNotFound if it is not kept. Nothing else is read: pieces come into the cache on
+    demand, verified.
     """
     validate_dataset_name(name)
-    url = objects.url(f"{name}/{MANIFEST_NAME}")
+    key = f"{name}/{MANIFEST_NAME}" if fingerprint is None else version_key(name, fingerprint)
+    url = objects.url(key)
     try:
-        text = objects.get(f"{name}/{MANIFEST_NAME}")
+        text = objects.get(key)
     except ObjectNotFound:
+        what = f"dataset {name!r}" if fingerprint is None else f"version {fingerprint} of {name!r}"
         raise DatasetNotFound(
-            f"no dataset {name!r} in store {objects.url()}; create it with "
+            f"no {what} in store {objects.url()}; create it with "
             "tokenfeed-server prepare ... --store " + objects.url()
         ) from None
     try:
@@ -356,6 +383,11 @@ def open_remote_dataset(objects: ObjectStore, cache: PieceCache, name: str) -> R
             f"{url}: format version {manifest.format_version} has no per-piece checksums, "
             "which serving from object storage needs; re-run tokenfeed-server prepare "
             "... --overwrite into the bucket with this tokenfeed"
+        )
+    if fingerprint is not None and manifest.fingerprint != fingerprint:
+        raise ManifestError(
+            f"{url}: holds build {manifest.fingerprint}, not the {fingerprint} its name "
+            "says (written by hand?); delete it, or re-run the prepare of that build"
         )
     sizes = {info.key: info.size for info in objects.list(f"{name}/")}
     itemsize = manifest.itemsize

@@ -3,8 +3,10 @@
 Readers never see a half-written dataset: everything goes to ``<store>/.tmp-<name>-...``
 and appears under its name only once complete and fsynced. A replaced dataset is
 swapped out atomically where the kernel allows it, so a reader opens either version,
-never a mix. Temp directories left by writers that died are removed by
-:func:`clean_stale_temp_dirs`.
+never a mix; the build swapped out is kept as a version under
+``<store>/_tokenfeed/versions/<name>/<fingerprint>/`` (see
+:mod:`~tokenfeed_server.store.versions`), since jobs may be pinned to it. Temp
+directories left by writers that died are removed by :func:`clean_stale_temp_dirs`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from tokenfeed_server.store.format import (
 )
 from tokenfeed_server.store.manifest import Manifest, ShardInfo, TokenizerInfo
 from tokenfeed_server.store.reader import validate_dataset_name
+from tokenfeed_server.store.versions import build_fingerprint, retire_local_build
 
 __all__ = [
     "BuildTarget",
@@ -482,7 +485,7 @@ class DatasetWriter:
             # descriptor) and a cleaner leaves a temp dir without a lock file alone.
             os.unlink(self.tmp / LOCK_NAME)
             _fsync_dir(self.tmp)
-            self._publish()
+            self._publish(manifest.fingerprint)
         except BaseException:
             self.abort()
             raise
@@ -490,7 +493,7 @@ class DatasetWriter:
         release_temp_dir(self.tmp)
         return manifest
 
-    def _publish(self) -> None:
+    def _publish(self, fingerprint: str) -> None:
         self._check_exists()
         if not self.final_path.exists():
             # rename() onto a missing path is atomic; a racing writer that got there first
@@ -506,13 +509,21 @@ class DatasetWriter:
                 raise
         elif _exchange(self.tmp, self.final_path):
             # The old dataset now sits in our temp dir: readers never see a gap.
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self._retire(self.tmp, fingerprint)
         else:
             old = self.store / f"{TEMP_PREFIX}{self.name}-{os.getpid()}-old{secrets.token_hex(2)}"
             os.rename(self.final_path, old)
             os.rename(self.tmp, self.final_path)
-            shutil.rmtree(old, ignore_errors=True)
+            self._retire(old, fingerprint)
         _fsync_dir(self.store)
+
+    def _retire(self, old: Path, fingerprint: str) -> None:
+        """Keep the build just swapped out as a version: a job (or a checkpoint) may be
+        pinned to it. Deleted instead when it is this very build (same fingerprint)."""
+        previous = build_fingerprint(old)
+        retire_local_build(
+            self.store, self.name, old, None if previous == fingerprint else previous
+        )
 
     def abort(self) -> None:
         """Discard everything written so far (idempotent)."""

@@ -1,5 +1,5 @@
-"""``/v1/datasets``: the datasets a caller may read, one dataset's summary, and the
-tokenizer file it was prepared with."""
+"""``/v1/datasets``: the datasets a caller may read with their storage health, one
+dataset's summary, and the tokenizer file it was prepared with."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from fastapi import APIRouter, HTTPException, Response
 
 from tokenfeed.errors import DatasetNotFound, InvalidDatasetName, StoreError
 from tokenfeed_server.http.access import Reader, Viewer
+from tokenfeed_server.http.dataset_health import DatasetEntry
 from tokenfeed_server.http.error_docs import errors, json_errors
-from tokenfeed_server.http.models import BrokenDatasetView, DatasetView
+from tokenfeed_server.http.models import BrokenDatasetView, DatasetView, ObjectFaultView
 from tokenfeed_server.http.state import ServerState, State
 from tokenfeed_server.store import Dataset, summary
 
@@ -27,23 +28,50 @@ _TOKENIZER_FILE = {
 
 @router.get("/v1/datasets", responses=errors(401))
 def datasets(state: State, who: Reader) -> list[DatasetView | BrokenDatasetView]:
-    """Summaries of the datasets the caller may read (broken ones with their error)."""
-    out: list[DatasetView | BrokenDatasetView] = []
-    for entry in state.store.summaries():
-        if not who.sees_dataset(entry["name"]):
-            continue
-        if entry["ok"]:
-            out.append(DatasetView.model_validate(entry))
-        else:
-            error = entry["error"] if who.admin else state.redact(entry["error"])
-            out.append(BrokenDatasetView(name=entry["name"], ok=False, error=error))
-    return out
+    """Summaries of the datasets the caller may read, each with its storage health
+    (`ok`, `degraded`, `unavailable` with the error and the objects named); datasets that
+    fail to open are listed with their error."""
+    return [
+        view(entry, state, who)
+        for entry in state.dataset_health.entries()
+        if who.sees_dataset(entry.name)
+    ]
 
 
 @router.get("/v1/datasets/{name}", responses=errors(400, 401, 404, 409))
 def dataset(name: str, state: State, who: Reader) -> DatasetView:
-    """Manifest summary of one dataset."""
-    return DatasetView.model_validate(summary(_open_dataset(state, name, who)))
+    """Manifest summary of one dataset, with its storage health."""
+    ds = _open_dataset(state, name, who)
+    entry = state.dataset_health.entry(name)
+    if entry is None or not entry.opened:  # replaced or removed since: its summary alone
+        entry = DatasetEntry(name, summary(ds))
+    shown = view(entry, state, who)
+    assert isinstance(shown, DatasetView)
+    return shown
+
+
+def view(entry: DatasetEntry, state: ServerState, who: Viewer) -> DatasetView | BrokenDatasetView:
+    """``entry`` as this caller may see it (store paths only for the admin)."""
+
+    def shown(text: str) -> str:
+        return text if who.admin else state.redact(text)
+
+    health = {
+        "ok": entry.serves if entry.opened else False,
+        "status": entry.status,
+        "error": shown(entry.error) if entry.error is not None else None,
+        "since": entry.since,
+        "objects": [
+            ObjectFaultView(url=shown(url), kind="damaged" if kind == "damaged" else "missing")
+            for url, kind in sorted(entry.objects.items())
+        ],
+        "fix": shown(entry.fix) if entry.fix is not None else None,
+    }
+    if entry.opened:
+        return DatasetView.model_validate({**entry.summary, **health})
+    return BrokenDatasetView.model_validate(
+        {**entry.summary, **health, "error": health["error"] or ""}
+    )
 
 
 @router.get(

@@ -168,26 +168,70 @@
     $("jobs-count").textContent = `(${jobs.length})`;
   }
 
+  const STATUS_CLASS = { ok: "badge ok", degraded: "badge warn", unavailable: "badge bad" };
+
+  /** The row under a dataset that is not ok: its error, since when, the objects named. */
+  function troubleRow(ds, columns) {
+    const tr = el("tr", undefined, "trouble");
+    tr.dataset.trouble = ds.name;
+    const td = cell("trouble", undefined);
+    td.colSpan = columns;
+    const what = ds.status === "degraded" ? "retrying object storage: " : "not served: ";
+    const error = el("div", what + (ds.error || "(no error reported)"), "error-text");
+    error.dataset.field = "error";
+    td.append(error);
+    if (ds.since !== null && ds.since !== undefined) {
+      const at = new Date(ds.since * 1000).toLocaleString();
+      const since = el("div", `since ${at} (${duration(Date.now() / 1000 - ds.since)})`, "muted");
+      since.dataset.field = "since";
+      td.append(since);
+    }
+    if (ds.objects && ds.objects.length) {
+      const list = el("ul", undefined, "objects");
+      for (const obj of ds.objects) {
+        const li = el("li");
+        li.dataset.object = obj.url;
+        li.dataset.kind = obj.kind;
+        li.append(el("span", obj.kind, "kind"), el("code", obj.url));
+        list.append(li);
+      }
+      td.append(list);
+    }
+    if (ds.fix) {
+      const fix = el("div", undefined, "fix");
+      fix.dataset.field = "fix";
+      fix.append(el("span", "to fix: ", "muted"), el("code", ds.fix));
+      td.append(fix);
+    }
+    tr.append(td);
+    return tr;
+  }
+
   function renderDatasets(datasets) {
-    const rows = datasets.map((ds) => {
+    const columns = 7;
+    const rows = datasets.flatMap((ds) => {
       const tr = el("tr");
       tr.dataset.dataset = ds.name;
-      if (!ds.ok) {
-        const error = cell("error", `not served: ${ds.error}`, "error");
-        error.colSpan = 5;
-        tr.append(cell("name", ds.name), error);
-        return tr;
+      const status = ds.status || (ds.ok ? "ok" : "unavailable");
+      tr.dataset.status = status;
+      const badge = cell("status", [el("span", status, STATUS_CLASS[status] || "badge")]);
+      if (ds.tokenizer === undefined) { // not opened: no manifest summary to show
+        const none = cell("summary", "—", "muted");
+        none.colSpan = columns - 2;
+        tr.append(cell("name", ds.name), badge, none);
+      } else {
+        const t = ds.tokenizer;
+        tr.append(
+          cell("name", ds.name),
+          badge,
+          cell("tokens", int(ds.tokens), "num"),
+          cell("documents", int(ds.documents), "num"),
+          cell("tokenizer", `${t.kind} · vocab ${int(t.vocab_size)} · eos ${t.eos_id}`),
+          cell("shards", ds.shards, "num"),
+          cell("created", ds.created),
+        );
       }
-      const t = ds.tokenizer;
-      tr.append(
-        cell("name", ds.name),
-        cell("tokens", int(ds.tokens), "num"),
-        cell("documents", int(ds.documents), "num"),
-        cell("tokenizer", `${t.kind} · vocab ${int(t.vocab_size)} · eos ${t.eos_id}`),
-        cell("shards", ds.shards, "num"),
-        cell("created", ds.created),
-      );
-      return tr;
+      return status === "ok" ? [tr] : [tr, troubleRow(ds, columns)];
     });
     $("datasets").tBodies[0].replaceChildren(...rows);
     $("datasets-count").textContent = `(${datasets.length})`;
