@@ -298,18 +298,20 @@ def test_the_previous_release_client_rides_out_an_outage_shorter_than_its_deadli
     script = tmp_path / "old_trainer.py"
     script.write_text(_OLD_TRAINER)
     out = tmp_path / "batches.npy"
-    with serve(s3, front, tmp_path, built.shard_bytes // 3) as srv:
+    err = tmp_path / "old_trainer.err"
+    with serve(s3, front, tmp_path, built.shard_bytes // 3) as srv, open(err, "w") as stderr:
         env = {**os.environ, "PYTHONPATH": str(previous_client)}
         args = [sys.executable, str(script), srv.zmq, str(previous_client), json.dumps(JOB)]
         proc = subprocess.Popen(
-            [*args, str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*args, str(out)], env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
         )
         times: list[float] = []
 
         def follow() -> None:
             assert proc.stdout is not None
-            for line in proc.stdout:
-                times.append(float(line.split()[1]))
+            with proc.stdout:
+                for line in proc.stdout:
+                    times.append(float(line.split()[1]))
 
         reader = threading.Thread(target=follow, daemon=True)
         reader.start()
@@ -321,9 +323,9 @@ def test_the_previous_release_client_rides_out_an_outage_shorter_than_its_deadli
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
+            proc.wait(10)
             reader.join(10)
-        stderr = proc.stderr.read() if proc.stderr is not None else ""
-    assert proc.returncode == 0, stderr[-3000:]
+    assert proc.returncode == 0, err.read_text()[-3000:]
     got = np.load(out)
     assert got.shape[0] == len(reference)
     assert np.array_equal(got, np.stack(reference))
@@ -358,8 +360,11 @@ def test_a_cache_barely_larger_than_a_request_does_not_refetch_in_a_loop(
     undisturbed = list(TokenFeedDataset(local.zmq, NAME, **job))
     want = [b["input_ids"].numpy().copy() for b in undisturbed]
     windows = np.concatenate([b["window_ids"].numpy() for b in undisturbed])
-    # one request: 2 rows, each across at most one piece boundary: 4 pieces at most
-    with serve(s3, front, tmp_path, int(os.environ.get("NP", "6")) * PIECE, *os.environ.get("XTRA", "").split()) as srv:
+    # One request: 2 rows, each across at most one piece boundary: 4 pieces at most; a
+    # block of the plan: about 5 pieces. No prefetch: in a cache this small the next block
+    # fetched ahead is evicted again by the current block's requests (the prefetch wants
+    # room for a few blocks); what is tested here is the requests' own pins.
+    with serve(s3, front, tmp_path, 6 * PIECE, "--prefetch-share", "0.01") as srv:
         trainer = Trainer(TokenFeedDataset(srv.zmq, NAME, deadline=60.0, **job))
         trainer.thread.start()
         wait_until(lambda: len(trainer.batches) >= 100 or trainer.error, 60, "100 batches")
