@@ -9,7 +9,7 @@
   the shard, ``inspect --verify`` lists both, ``--repair --source`` makes the dataset whole,
   and the next job on the same server reads the whole epoch exactly.
 * A dataset whose object went missing before the server started does not open: it is
-  listed ``unavailable`` with the object named; the console shows it.
+  listed ``unavailable`` with the object named; put back, it opens without a restart.
 """
 
 from __future__ import annotations
@@ -199,6 +199,7 @@ def test_a_dataset_that_fails_to_open_names_its_missing_object(
     bucket: Bucket, tmp_path: Path
 ) -> None:
     keys = bucket.publish("lost", seed=4)
+    data = bucket.get(keys[0])
     bucket.delete(keys[0])
     with _server(bucket, tmp_path) as srv:
         lost = _datasets(srv)["lost"]
@@ -206,3 +207,7 @@ def test_a_dataset_that_fails_to_open_names_its_missing_object(
         assert lost["objects"] == [{"url": f"s3://{BUCKET}/{keys[0]}", "kind": "missing"}]
         assert lost["since"] is not None and "shard object is missing" in lost["error"]
         assert f"inspect lost --store {STORE} --verify --repair" in lost["fix"]
+        # put back: the server opens it again by itself (every 10 s), no restart
+        bucket.put(keys[0], data)
+        wait_until(lambda: _datasets(srv)["lost"]["status"] == "ok", 30, "lost opens")
+        _assert_exact(bucket, "lost", _batches(srv, "lost", _epoch(bucket, "lost")))

@@ -251,7 +251,8 @@ class ServerConfig(BaseModel):
     remote_scan_interval_s: float = Field(
         default=5.0,
         gt=0,
-        description="seconds between two listings of an s3:// store (new or replaced datasets)",
+        description="seconds between two polls of an s3:// store's catalog (new or replaced "
+        "datasets; a store without a catalog is listed every 6th poll)",
     )
     cache: CacheSettings = Field(default=CacheSettings())  # frozen: safe to share
     memory: MemorySettings = Field(default=MemorySettings())  # frozen: safe to share

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,7 @@ from tokenfeed.errors import DatasetNotFound, ManifestError, StoreError
 from tokenfeed.plan import Plan
 from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store.catalog import Catalog, CatalogError, poll_catalog
+from tokenfeed_server.store.errors import DamagedShardObject, MissingShardObject
 from tokenfeed_server.store.format import MANIFEST_NAME
 from tokenfeed_server.store.local import list_datasets, open_dataset
 from tokenfeed_server.store.objects import ObjectStoreError, S3Location
@@ -101,6 +102,12 @@ _RESCAN_REMINDER_S = 60.0
 _Signature = tuple[object, ...]
 
 
+#: Seconds between two attempts to open a remote dataset that storage or a missing or
+#: damaged object kept from opening.
+RETRY_BROKEN_S = 10.0
+_RETRIED_AT_OPEN = (ObjectStoreError, MissingShardObject, DamagedShardObject)
+
+
 @dataclass(frozen=True)
 class _Listing:
     """One dataset as the last scan found it: opened, or the error that stops it."""
@@ -108,6 +115,9 @@ class _Listing:
     signature: _Signature
     dataset: Dataset | None
     error: StoreError | None
+    #: when this was found (monotonic): a broken remote dataset is opened again after
+    #: :data:`RETRY_BROKEN_S`
+    when: float = field(default_factory=time.monotonic)
 
 
 class Store:
@@ -311,7 +321,7 @@ class Store:
         old = self._entries
         new: dict[str, _Listing] = {}
         if self.objects is not None:
-            return self._rescan_remote(old, initial)
+            return self._retry_broken(self._rescan_remote(old, initial))
         assert isinstance(self.root, Path)
         for name in list_datasets(self.root) if self.root.is_dir() else []:
             entry = old.get(name)
@@ -392,6 +402,28 @@ class Store:
                 self._report(name, entry, initial or name not in old)
             new[name] = entry
         return new
+
+    def _retry_broken(self, entries: dict[str, _Listing]) -> dict[str, _Listing]:
+        """Open again, every :data:`RETRY_BROKEN_S`, the remote datasets that a storage
+        fault or a missing or damaged shard object keeps from opening (their catalog
+        entry has not changed, so the scan would not): an object put back, or repaired
+        by ``inspect --repair``, is served again without a restart or a new build."""
+        now = time.monotonic()
+        out = dict(entries)
+        for name, entry in entries.items():
+            retryable = isinstance(entry.error, _RETRIED_AT_OPEN)
+            if entry.dataset is not None or not retryable or now - entry.when < RETRY_BROKEN_S:
+                continue
+            version = str(entry.signature[1]) if entry.signature[:1] == ("version",) else None
+            opened = self._open(name, entry.signature, False, fingerprint=version)
+            if opened.dataset is not None:
+                self._report(name, opened, False)
+            elif str(opened.error) == str(entry.error):
+                opened = _Listing(entry.signature, None, entry.error)  # logged once
+            else:
+                self._report(name, opened, False)
+            out[name] = opened
+        return out
 
     def _open(
         self,
