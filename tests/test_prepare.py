@@ -418,6 +418,14 @@ def test_cli_prepare_and_inspect(tmp_path: Path) -> None:
     r = _run("inspect", store / "cli")
     assert r.returncode == 0, r.stderr
     assert "checksums    ok" in r.stdout and "shard-000001.bin" in r.stdout
+    assert "layout       versions: " in r.stdout and "older kept: none" in r.stdout
+    # piped into head, which stops reading: no BrokenPipe traceback
+    cli = f"{sys.executable} -m tokenfeed_server.cli inspect {store / 'cli'}"
+    piped = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{cli} | head -c 10"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert piped.stdout == "dataset   " and "Traceback" not in piped.stderr, piped.stderr
     # Corrupt one token: inspect names the shard and fails; --no-verify still opens.
     shard = store / "cli" / "shard-000001.bin"
     data = bytearray(shard.read_bytes())

@@ -77,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenfeed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `tokenfeed batches ... | head`: the reader had enough
-        sys.stderr.close()
+        # stdout to /dev/null, so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

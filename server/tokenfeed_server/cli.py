@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -335,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tokenfeed-server {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `tokenfeed-server inspect ... | head`: the reader had enough. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -25,7 +25,7 @@ from tokenfeed.errors import ConfigError, CorruptShard, ManifestError
 if TYPE_CHECKING:
     from tokenfeed_server.prepare.progress import ByteProgress
     from tokenfeed_server.store.manifest import Manifest
-    from tokenfeed_server.store.objects import S3Location
+    from tokenfeed_server.store.objects import ObjectStore, S3Location
     from tokenfeed_server.store.verify import VerifyReport
 
 __all__ = ["EXIT_FINDINGS", "add_inspect_command"]
@@ -149,6 +149,18 @@ def _print_summary(name: str, where: str, fingerprint: str, m: Manifest) -> None
         print(f"  {s.name}  {s.tokens:>14,} tokens  {s.documents:>10,} docs  {s.checksum}")
 
 
+def _print_versions(store: Path | ObjectStore, name: str, current: str) -> None:
+    """The layout the dataset uses, and its kept versions (newest first)."""
+    from tokenfeed_server.store.versions import list_versions
+
+    versions = list_versions(store, name)
+    if not isinstance(store, Path) and not versions:
+        print("layout       before versions (no versions/: the manifest is the only version)")
+        return
+    older = ", ".join(v.fingerprint for v in versions if v.fingerprint != current) or "none"
+    print(f"layout       versions: {current} (current); older kept: {older}")
+
+
 def _format_line(m: Manifest) -> str:
     if m.format_version < 2:
         return f"version {m.format_version} (no piece checksums: re-prepare to publish to s3://)"
@@ -193,6 +205,7 @@ def _inspect_local(path: Path, args: argparse.Namespace) -> int:
         except (OSError, ManifestError):
             raise exc from None
     _print_summary(path.name, str(path), manifest.fingerprint, manifest)
+    _print_versions(path.parent, path.name, manifest.fingerprint)
     with _progress(args, f"checking {path.name}") as progress:
         report = verify_local(path, manifest, checksums=not args.no_verify, progress=progress)
     if refused is not None and report.ok:  # e.g. a bad header of a version-1 shard
@@ -212,6 +225,7 @@ def _inspect_remote(location: S3Location, args: argparse.Namespace) -> int:
     store = ObjectStore(parent)
     m = read_published(store, name)
     _print_summary(name, store.url(name), m.fingerprint, m)
+    _print_versions(store, name, m.fingerprint)
     source = None
     if args.repair:  # refused before anything is downloaded
         source = RepairSource(args.source, name, m, store.url(name))
