@@ -255,9 +255,21 @@ def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.set_defaults(handler=_run_serve)
 
 
+log = logging.getLogger(__name__)
+_SECRET_FLAGS = ("--token", "--admin-token")
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     config = _settings(settings.ServerConfig, args)  # refused before the heavy imports
     from tokenfeed_server.server import serve
+
+    shown = [a.split("=")[0] for a in args.argv if a.split("=")[0] in _SECRET_FLAGS]
+    if shown:
+        log.warning(
+            "%s on the command line shows in the process list of every user of this "
+            "machine; prefer TOKENFEED_TOKEN / TOKENFEED_ADMIN_TOKEN or --token-file",
+            " and ".join(sorted(set(shown))),
+        )
 
     logging.getLogger().setLevel(config.log_level.upper())
     return serve(config)
@@ -318,6 +330,7 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tokenfeed-server``; returns the exit status."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what was typed (serve warns)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -305,6 +305,21 @@ class ServerConfig(BaseModel):
     max_tokens_per_s: int = Field(
         default=0, ge=0, description="cap on the tokens sent per second (0: none)"
     )
+    http_header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds a client has to send a request's headers on the HTTP port",
+    )
+    http_max_connections: int = Field(
+        default=512, ge=1, description="HTTP connections open at once; more are closed at once"
+    )
+    tls_cert_file: Path | None = Field(
+        default=None,
+        description="PEM certificate: serve HTTPS on the HTTP port (with --tls-key-file)",
+    )
+    tls_key_file: Path | None = Field(
+        default=None, description="PEM private key of --tls-cert-file"
+    )
 
     @model_validator(mode="after")
     def _tokens_from_files(self) -> ServerConfig:
@@ -318,6 +333,12 @@ class ServerConfig(BaseModel):
             if getattr(self, name) is not None:
                 raise ValueError(f"give {flag} or {flag}-file, not both")
             object.__setattr__(self, name, token_rule(read_token_file(path)))
+        return self
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> ServerConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("give --tls-cert-file and --tls-key-file together")
         return self
 
     def is_loopback(self) -> bool:

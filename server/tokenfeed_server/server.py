@@ -28,6 +28,7 @@ from tokenfeed_server.dataplane import security
 from tokenfeed_server.dataplane.auth import Tenants
 from tokenfeed_server.dataplane.plane import DataPlane
 from tokenfeed_server.http.app import create_app
+from tokenfeed_server.http.guard import MAX_HEADER_BYTES, guarded_h11
 from tokenfeed_server.http.state import ServerState
 from tokenfeed_server.store import Store, memory
 from tokenfeed_server.store.health_check import HealthCheck
@@ -185,7 +186,8 @@ def _serve_http(
 ) -> int:
     """Serve HTTP on ``http_sock`` until a signal; the caller closes everything after."""
     host, port = http_sock.getsockname()[:2]
-    http_url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if config.tls_cert_file is not None else "http"
+    http_url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     state = ServerState(config, store, dataplane, tenants)
     uv = uvicorn.Server(
         uvicorn.Config(
@@ -194,6 +196,10 @@ def _serve_http(
             log_level=config.log_level,
             access_log=False,
             lifespan="off",
+            http=guarded_h11(config.http_header_timeout_s, config.http_max_connections),
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            ssl_certfile=config.tls_cert_file,
+            ssl_keyfile=config.tls_key_file,
         )
     )
     # uvicorn re-raises the signal it caught once it has shut down; a handler of ours

@@ -26,8 +26,10 @@ def tenants_for(config: ServerConfig) -> Tenants | None:
     if config.tenants_file is not None:
         if config.token:
             raise ConfigError("give --tenants or --token, not both")
+        warn_cleartext(config)
         return Tenants.load(config.tenants_file, config.admin_token)
-    if config.token:  # its length is checked where the settings are (config.ServerConfig)
+    if config.token:  # its form is checked where the settings are (config.ServerConfig)
+        warn_cleartext(config)
         return Tenants.shared_token(config.token, config.admin_token)
     if config.curve_secret_key_file is not None:
         raise ConfigError("CURVE needs tokens to identify clients: add --token or --tenants")
@@ -44,6 +46,25 @@ def tenants_for(config: ServerConfig) -> Tenants | None:
             config.host,
         )
     return None
+
+
+def warn_cleartext(config: ServerConfig) -> None:
+    """Say it at start when tokens would cross a network in clear: the data port speaks
+    PLAIN without a CURVE key, the HTTP port plain HTTP without a certificate."""
+    if config.is_loopback():
+        return
+    if config.curve_secret_key_file is None:
+        log.warning(
+            "serving %s: tokens cross the network in clear on the data port (ZeroMQ PLAIN); "
+            "encrypt it with --curve-secret-key (tokenfeed-server keygen)",
+            config.host,
+        )
+    if config.tls_cert_file is None:
+        log.warning(
+            "serving %s: bearer tokens cross the network in clear on the HTTP port; serve "
+            "HTTPS with --tls-cert-file and --tls-key-file, or put a TLS proxy in front",
+            config.host,
+        )
 
 
 def start_zap(
