@@ -238,7 +238,7 @@ def test_every_setting_has_one_flag_and_one_twin() -> None:
         "--job-ttl-s", "--verify-checksums", "--log-level", "--tenants", "--token",
         "--admin-token", "--token-file", "--admin-token-file", "--insecure",
         "--curve-secret-key", "--max-tokens-per-s", "--http-header-timeout-s",
-        "--http-max-connections", "--tls-cert-file", "--tls-key-file",
+        "--http-max-connections", "--http-allowed-hosts", "--tls-cert-file", "--tls-key-file",
         "--cache-dir", "--cache-size", "--remote-scan-interval-s",
         *(f"--{name.replace('_', '-')}" for name in Limits.model_fields),
         *(f"--{name.replace('_', '-')}" for name in CacheSettings.model_fields),

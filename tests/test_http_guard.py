@@ -120,3 +120,20 @@ def test_tokens_in_clear_and_on_the_command_line_are_warned_about(
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "clear on the data port" in said and "--curve-secret-key" in said
     assert "clear on the HTTP port" in said and "--tls-cert-file" in said
+
+
+def test_a_loopback_server_answers_only_loopback_host_names(guarded: LiveServer) -> None:
+    assert guarded.get("/v1/datasets").status_code == 200  # Host: 127.0.0.1:PORT
+    for name in ("localhost", "[::1]"):
+        assert guarded.get("/healthz", headers={"Host": name}).status_code == 200
+    # a page of attacker.example rebound to 127.0.0.1 sends its own name: refused
+    rebound = guarded.get("/v1/datasets", headers={"Host": "attacker.example:7401"})
+    assert rebound.status_code == 400
+
+
+def test_allowed_hosts_is_a_setting(store: Path, tmp_path: Path) -> None:
+    extra = ["--http-allowed-hosts", "trainer-gw.internal, 127.0.0.1"]
+    with LiveServer(store, extra=extra, log_path=tmp_path / "log") as srv:
+        gateway = srv.get("/healthz", headers={"Host": "trainer-gw.internal"})
+        assert gateway.status_code == 200
+        assert srv.get("/healthz", headers={"Host": "localhost"}).status_code == 400

@@ -313,6 +313,11 @@ class ServerConfig(BaseModel):
     http_max_connections: int = Field(
         default=512, ge=1, description="HTTP connections open at once; more are closed at once"
     )
+    http_allowed_hosts: str | None = Field(
+        default=None,
+        description="Host headers the HTTP port answers, comma-separated (default: on "
+        "loopback only localhost, 127.0.0.1 and ::1, against DNS rebinding; else any)",
+    )
     tls_cert_file: Path | None = Field(
         default=None,
         description="PEM certificate: serve HTTPS on the HTTP port (with --tls-key-file)",
