@@ -142,6 +142,13 @@ def test_a_missing_dataset_tells_a_tenant_nothing_about_the_store(
     assert str(store) in admin.json()["detail"] and "beta-secret" in admin.json()["detail"]
 
 
+def test_a_long_hostile_name_is_not_echoed_in_full(tenants: LiveServer) -> None:
+    for name in ("a" * 5000, "alpha-" + "x" * 5000, "bad\u202ename" * 400):
+        answer = tenants.get(f"/v1/datasets/{name}", headers=bearer(ADMIN))
+        assert answer.status_code in (400, 404)
+        assert len(answer.text) < 400 and "\u202e" not in answer.json()["detail"]
+
+
 def test_a_broken_dataset_shows_a_tenant_its_error_without_the_path(
     tenants: LiveServer, store: Path
 ) -> None:

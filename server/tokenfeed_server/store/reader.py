@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from tokenfeed.dtypes import DTYPES
 from tokenfeed.errors import InvalidDatasetName, StoreError
+from tokenfeed.protocol.bounds import brief
 from tokenfeed_server.store.format import HEADER_SIZE, index_offset
 from tokenfeed_server.store.manifest import Manifest
 
@@ -54,7 +55,7 @@ def validate_dataset_name(name: str) -> str:
     """
     if not is_dataset_name(name):
         raise InvalidDatasetName(
-            f"invalid dataset name {name!r}: use 1-128 characters of letters, digits, "
+            f"invalid dataset name {brief(name)!r}: use 1-128 characters of letters, digits, "
             "'.', '_' or '-', starting with a letter or digit, and no '..'"
         )
     return name

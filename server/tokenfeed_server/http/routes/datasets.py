@@ -8,6 +8,7 @@ import hashlib
 from fastapi import APIRouter, HTTPException, Response
 
 from tokenfeed.errors import DatasetNotFound, InvalidDatasetName, StoreError
+from tokenfeed.protocol.bounds import brief
 from tokenfeed_server.http.access import Reader, Viewer
 from tokenfeed_server.http.dataset_health import DatasetEntry
 from tokenfeed_server.http.error_docs import errors, json_errors
@@ -107,7 +108,8 @@ def _open_dataset(state: ServerState, name: str, who: Viewer) -> Dataset:
     """The open dataset ``name``, or the HTTP error this caller may see."""
     # A tenant gets the same answer for a dataset it may not read and for one that does
     # not exist, and never the store's message (its path and every name in it).
-    missing = f"no dataset {name!r}" + ("" if who.sees_all else " for this token")
+    # (cut: the name is the caller's, maybe 5,000 characters of it)
+    missing = f"no dataset {brief(name)!r}" + ("" if who.sees_all else " for this token")
     if not who.sees_dataset(name):
         raise HTTPException(404, missing)
     try:
