@@ -231,3 +231,24 @@ def test_a_shared_token_without_an_admin_scrapes_metrics(store: Path) -> None:
         assert srv.get("/metrics").status_code == 401
         assert srv.get("/metrics", headers=bearer(SHARED)).status_code == 200
         assert srv.get("/v1/status", headers=bearer(SHARED)).json()["config"]["store"] is None
+
+
+def test_metrics_show_the_loops_busiest_turn(open_server: LiveServer) -> None:
+    open_server.run_job("alpha")
+
+    def loop() -> dict[tuple[str, str], float]:
+        text = open_server.get("/metrics").text
+        return {
+            (s.name, s.labels.get("window", "")): s.value
+            for f in text_string_to_metric_families(text)
+            if f.name.startswith("tokenfeed_loop")
+            for s in f.samples
+        }
+
+    figures = wait_until(
+        lambda: (m := loop()).get(("tokenfeed_loop_busy_seconds_total", ""), 0) > 0 and m,
+        10, "loop busy time in /metrics",
+    )  # fmt: skip
+    busiest = figures[("tokenfeed_loop_busiest_turn_seconds", "since_start")]
+    assert 0 < busiest <= figures[("tokenfeed_loop_busy_seconds_total", "")]
+    assert 0 <= figures[("tokenfeed_loop_busiest_turn_seconds", "recent")] <= busiest

@@ -31,6 +31,7 @@ from tokenfeed.errors import PlanError, ProtocolError, RequestRejected, ServerEr
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane.admission import Admission
 from tokenfeed_server.dataplane.auth import Tenants
+from tokenfeed_server.dataplane.busy import LoopBusy
 from tokenfeed_server.dataplane.gets import accept_get
 from tokenfeed_server.dataplane.registry import Registry
 from tokenfeed_server.dataplane.scheduler import TokenBucket
@@ -68,6 +69,8 @@ class DataPlane:
         self.instance = uuid.uuid4().hex[:12]
         self.endpoint = ""
         self.counters: collections.Counter[str] = collections.Counter()
+        #: busy time of the loop's turns (published in the snapshot)
+        self.busy = LoopBusy()
         #: what the HTTP side reads (see :mod:`tokenfeed_server.dataplane.snapshot`)
         self.snapshot: dict[str, Any] = EMPTY_SNAPSHOT
         self.registry = Registry(float(max(1, config.chunk_bytes)))
@@ -179,11 +182,14 @@ class DataPlane:
             wait = _MAX_POLL_MS
             if queue:  # wake when the egress cap lets the next chunk go
                 wait = min(wait, int(self._bucket.wait_s() * 1000 + 0.999))
-            if poller.poll(wait):
+            ready = poller.poll(wait)
+            started = time.perf_counter()  # the turn's busy time: everyone else waits it
+            if ready:
                 self._drain(sock, wire)
             serving.unpark()
             queue.serve_round(lambda jid, item: serving.serve(jid, *item), self._bucket.ready)
             self._housekeeping()
+            self.busy.note(time.perf_counter() - started)
 
     # -- receiving -------------------------------------------------------------------
 
@@ -241,10 +247,12 @@ class DataPlane:
         self.registry.expire(
             now, peer_timeout_s=self.config.peer_timeout_s, job_ttl_s=self.config.job_ttl_s
         )
-        self.snapshot = make_snapshot(
+        snap = make_snapshot(
             self.registry,
             now,
             server=self.instance,
             endpoint=self.endpoint,
             counters=self.counters,
         )
+        snap["loop"] = self.busy.view()
+        self.snapshot = snap  # published whole: the HTTP side never sees it half made

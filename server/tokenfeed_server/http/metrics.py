@@ -50,6 +50,19 @@ class SnapshotCollector(Collector):
         yield GaugeMetricFamily(
             "tokenfeed_ready", "1 when serving", value=1 if self.state.ready else 0
         )
+        loop = snap.get("loop", {})
+        busiest = GaugeMetricFamily(
+            "tokenfeed_loop_busiest_turn_seconds",
+            "Busy time of the data plane loop's busiest turn (every job waits it)",
+            labels=["window"],
+        )
+        busiest.add_metric(["since_start"], loop.get("busiest_turn_s", 0.0))
+        busiest.add_metric(["recent"], loop.get("recent_busiest_turn_s", 0.0))
+        yield busiest
+        yield CounterMetricFamily(
+            "tokenfeed_loop_busy_seconds", "Busy time of the data plane loop in all",
+            value=loop.get("busy_s", 0.0),
+        )  # fmt: skip
         events = CounterMetricFamily("tokenfeed_events", "Data plane events", labels=["event"])
         for name, value in sorted(snap["counters"].items()):
             events.add_metric([name], value)
