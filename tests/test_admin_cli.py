@@ -7,6 +7,7 @@ an unreachable server, a bad URL and a refused token are one line and exit statu
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -82,8 +83,13 @@ def test_jobs_table_shows_what_the_token_may_see(
 ) -> None:
     code, out, err = run(capsys, "jobs", "--url", server.http, "--token", ADMIN)
     assert code == 0 and err == ""
-    header, *body = [r for r in rows(out) if not set("".join(r)) <= {"-", "─", " "}]
-    assert header[:3] == ["TENANT", "DATASET", "SEQ"] and "CONSUMED" in header
+    table, footer = out.split("\n\n", 1)
+    header, *body = [r for r in rows(table) if not set("".join(r)) <= {"-", "─", " "}]
+    assert header[:4] == ["TENANT", "DATASET", "KIND", "RUN"] and "CONSUMED" in header
+    # the two positions, named and explained under the table, with the snapshot's age
+    assert "SERVED: positions the server sent, prefetched by the trainer's loader" in footer
+    assert "CONSUMED: positions that reached the training loop" in footer
+    assert re.search(r"Snapshot taken \d+\.\d s before this answer", footer)
     by_tenant = {r[0]: dict(zip(header, r, strict=True)) for r in body}
     assert set(by_tenant) == {"alice", MARKUP_TENANT}  # the markup printed as text
     assert by_tenant["alice"]["DATASET"] == "alpha" and by_tenant["alice"]["SEQ"] == "64"
@@ -91,8 +97,11 @@ def test_jobs_table_shows_what_the_token_may_see(
     api = server.get("/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"}).json()
     for job in api:
         assert by_tenant[job["tenant"]]["CONSUMED"] == f"{job['consumed_position']:,}"
-        assert by_tenant[job["tenant"]]["PREFETCHED"] == f"{job['position']:,}"
+        assert by_tenant[job["tenant"]]["SERVED"] == f"{job['position']:,}"
         assert by_tenant[job["tenant"]]["JOB"] == job["id"]
+        assert by_tenant[job["tenant"]]["KIND"] == "dataset"
+        assert by_tenant[job["tenant"]]["RUN"] == job["run"]
+        assert by_tenant[job["tenant"]]["LAST REQUEST"].startswith("ended ")  # it said bye
 
     code, out, _ = run(capsys, "jobs", "--url", server.http, "--token", ALICE)
     assert code == 0
@@ -124,6 +133,10 @@ def test_datasets_and_status_tables(server: LiveServer, capsys: pytest.CaptureFi
     # status, tokens, documents, tokenizer
     assert table["alpha"][1:5] == ["ok", f"{tokens:,}", "20", "byte"]
     assert table["beta"][1] == "ok"
+    # equal tokenizers (both byte) show one short hash
+    assert (
+        re.fullmatch(r"[0-9a-f]{12}", table["alpha"][7]) and table["beta"][7] == table["alpha"][7]
+    )
     assert table["gamma"][1:3] == ["unavailable", "-"]
     # Under the table: what is wrong with each dataset that is not ok, since when.
     [problem] = [line for line in out.splitlines() if line.startswith("gamma: ")]
@@ -200,3 +213,27 @@ def test_problems_name_the_objects_and_an_old_server_still_renders() -> None:
     ]
     assert render_problems([datasets[1] | {"status": "ok"}]) is None
     assert render_datasets(datasets).row_count == 3
+
+
+def test_a_mixture_job_shows_its_sources_current_shares_and_an_old_server_renders() -> None:
+    from tokenfeed_server.http.admin_cli import render_jobs
+
+    base = {
+        "tenant": "t", "seq_len": 8, "batch_size": 2, "world_size": 1, "seed": 0,
+        "workers": 1, "consumed_position": None, "consumed_epoch": None,
+        "epoch_windows": 10, "position": 4, "consumed_tokens_per_s": 0.0,
+        "retransmits": 0, "idle_s": 1.0,
+    }  # fmt: skip
+    mixture = base | {
+        "id": "m", "dataset": "web+code", "kind": "mixture", "run": "r1",
+        "sources": ["web", "code"], "current_weights": {"web": 3, "code": 1},
+        "ended": 1000.0, "forgotten": True,
+    }  # fmt: skip
+    old = base | {"id": "o", "dataset": "web"}  # a server from before kinds and runs
+    table = render_jobs([mixture, old])
+    kinds = list(table.columns[2].cells)
+    runs = list(table.columns[3].cells)
+    last = list(table.columns[15].cells)
+    assert [str(k) for k in kinds] == ["dataset", "mixture(web 75%, code 25%)"]
+    assert [str(r) for r in runs] == ["-", "r1"]
+    assert str(last[1]).startswith("ended ") and str(last[1]).endswith("(final)")

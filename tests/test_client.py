@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -395,6 +396,97 @@ def test_storage_unavailable_without_retry_ends_the_stream() -> None:
             list(client.stream([Request(pos=0, count=1)]))
     finally:
         stop.set()
+
+
+def notice_server(
+    notices_s: float, *, on_hello: bool = False
+) -> tuple[str, threading.Event, dict[str, int]]:
+    """A fake server that keeps each get waiting on "object storage" for ``notices_s``,
+    telling the client so every 0.2 s (the notice of a server that retries), then answers
+    it; with ``on_hello`` it refuses hello so for that long instead."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    welcome = protocol.Welcome("fake", "j1", "f" * 32, 10_000, 100, "uint16", 4, 8, 256)
+    stop = threading.Event()
+    seen = {"hello": 0, "notices": 0}
+    notice = errors.StorageUnavailable.retrying_message(60, "s3://bkt/d/shard-1.bin", "refused")
+
+    def answer(ident: bytes, msg: protocol.Get) -> None:
+        rows = msg.count * JOB.batch_size
+        tokens = np.full((rows, JOB.seq_len + 1), msg.pos, dtype=np.uint16)
+        ids = np.arange(rows)
+        frames = protocol.chunk_frames(msg.req, tokens, {"window": ids, "epoch": ids * 0})
+        router.send_multipart([ident, *frames])
+
+    def tell(ident: bytes, req: int) -> None:
+        err = protocol.Err("storage_unavailable", notice, True, req)
+        router.send_multipart([ident, err.header()])
+        seen["notices"] += 1
+
+    def serve() -> None:
+        gets: list[tuple[float, bytes, protocol.Get]] = []  # (answered at, connection, get)
+        refuse_until = 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            for item in [g for g in gets if g[0] <= now]:
+                gets.remove(item)
+                answer(item[1], item[2])
+            for _, ident, get in gets:  # about every 0.2 s: still waiting on storage
+                tell(ident, get.req)
+            if not router.poll(200):
+                continue
+            ident, header = router.recv_multipart()
+            msg = protocol.decode_header(header)
+            if isinstance(msg, protocol.Hello):
+                seen["hello"] += 1
+                if on_hello and seen["hello"] == 1:
+                    refuse_until = now + notices_s
+                if now < refuse_until:
+                    tell(ident, -1)  # a refused hello: no request id
+                else:
+                    router.send_multipart([ident, welcome.header()])
+            elif isinstance(msg, protocol.Get):
+                gets.append((now + (0.0 if on_hello else notices_s), ident, msg))
+        router.close(linger=0)
+        ctx.term()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"tcp://127.0.0.1:{port}", stop, seen
+
+
+def test_a_storage_notice_is_waited_out_on_the_same_connection_past_the_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="tokenfeed")
+    endpoint, stop, seen = notice_server(2.5)
+    options = ClientOptions(deadline=1.0, request_timeout=1.0)
+    try:
+        with FeedClient(endpoint, JOB, rank=0, worker=0, options=options) as client:
+            answers = list(client.stream([Request(pos=0, count=1), Request(pos=2, count=1)]))
+    finally:
+        stop.set()
+    assert [int(a.tokens[0, 0]) for a in answers] == [0, 2]
+    assert seen["hello"] == 1 and seen["notices"] >= 10  # no reconnect, no re-ask
+    warned = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert len(warned) == 1  # rate limited: once per 30 s
+    assert "s3://bkt/d/shard-1.bin: refused" in warned[0] and "waiting" in warned[0]
+
+
+def test_hello_refused_while_storage_is_away_logs_and_waits_for_the_server(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="tokenfeed")
+    endpoint, stop, seen = notice_server(2.0, on_hello=True)
+    options = ClientOptions(deadline=1.0, request_timeout=1.0)
+    try:
+        with FeedClient(endpoint, JOB, rank=0, worker=0, options=options) as client:
+            assert client.hello().window == 4  # past its own deadline: the server's counts
+    finally:
+        stop.set()
+    assert seen["hello"] >= 2
+    assert any("does not answer" in r.getMessage() for r in caplog.records)
 
 
 # -- a failed loader leaves nothing behind (issue 11 item 13) -----------------------------

@@ -27,6 +27,7 @@ from live_server import LiveServer, tenants_toml
 from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, TokenFeedLoader
+from tokenfeed.mixture import Mixture
 from tokenfeed_server.http.console import CONTENT_SECURITY_POLICY
 from tokenfeed_server.store import TokenizerInfo, write_dataset
 from tokenfeed_server.store.objects import ObjectStore, S3Location
@@ -365,4 +366,95 @@ def test_a_dataset_that_does_not_serve_shows_why_and_what_to_run(
     expect(trouble.locator("[data-field=fix]")).to_contain_text(
         "tokenfeed-server inspect lost --store s3://console/store --verify --repair --source DIR"
     )
+    page.context.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_tokens_message_stays_through_the_refreshes(
+    browser: Any, server: LiveServer
+) -> None:
+    """The message stays until the user acts: the page keeps refreshing (asking the
+    server's status every 2 s) and must not wipe it; a new try clears it."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    asked: list[str] = []
+    page.on("requestfinished", lambda request: asked.append(request.url))
+    page.goto(server.http + "/")
+    page.fill("#token", "not-a-token")
+    page.click("#login button[type=submit]")
+    message = page.locator("#login-error")
+    expect(message).to_contain_text("does not accept this token")
+    seen = len([u for u in asked if u.endswith("/v1/status")])
+    # two more refreshes (each asks /v1/status first), then the message is still there
+    page.wait_for_function(
+        "n => performance.getEntriesByType('resource')"
+        ".filter(e => e.name.endsWith('/v1/status')).length >= n",
+        arg=seen + 2,
+        timeout=15_000,
+    )
+    expect(message).to_contain_text("does not accept this token")
+    page.fill("#token", ALICE)  # the user acts: the verdict goes, the page opens
+    page.click("#login button[type=submit]")
+    page.wait_for_selector("#main:not([hidden])")
+    expect(message).to_have_text("")
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """An open server (jobs forgotten 1 s after their trainer leaves) with a mixture job
+    that is reading and one single-dataset job that ran and was forgotten."""
+    root = tmp_path_factory.mktemp("mixed")
+    docs = [np.arange(n, dtype=np.uint16) % 256 for n in range(100, 2100, 100)]
+    for name in ("web", "wiki"):
+        write_dataset(root, name, docs, tokenizer=BYTE, shuffle_seed=0)
+    with LiveServer(root, extra=["--job-ttl-s", "1"]) as srv:
+        srv.run_job("wiki")  # ends at once: forgotten a second later, its counters kept
+        mixture = Mixture({"web": 3, "wiki": 1})
+        ds = TokenFeedDataset(
+            srv.zmq, mixture, seq_len=32, batch_size=2, rank=0, world_size=1, samples=10**6,
+            request_timeout=5.0, deadline=30.0,
+        )  # fmt: skip
+        batches = iter(ds)
+        next(batches)  # the mixture job stays attached while the page looks
+        try:
+            yield srv
+        finally:
+            batches.close()  # type: ignore[attr-defined]  # a generator: says bye
+
+
+@pytest.mark.timeout(120)
+def test_jobs_show_their_kind_run_end_and_the_snapshots_age(
+    browser: Any, mixed: LiveServer
+) -> None:
+    srv = mixed
+    page = browser.new_context(viewport={"width": 1800, "height": 760}).new_page()
+    page.set_default_timeout(20_000)
+    page.goto(srv.http + "/")  # an open server: no token asked
+    expect(page.locator("#jobs tbody tr")).to_have_count(2)
+    mix = page.locator("#jobs tbody tr", has_text="web+wiki")
+    expect(mix.locator("[data-field=kind]")).to_have_text(
+        re.compile(r"mixture\s+web 75% · wiki 25%")
+    )
+    expect(mix.locator("[data-field=run]")).not_to_have_text("—")
+    # the single-dataset job ended and was forgotten: listed greyed with final counters
+    wiki = page.locator("#jobs tbody tr[data-forgotten=yes]")
+    expect(wiki.locator("[data-field=dataset]")).to_have_text("wiki")
+    expect(wiki.locator("[data-field=kind]")).to_have_text("dataset")
+    expect(wiki.locator("[data-field=idle]")).to_contain_text("final")
+    assert int(wiki.locator("[data-field=prefetched]").text_content().replace(",", "")) > 0
+    assert "ended" in (wiki.get_attribute("class") or "")
+    # the columns say which position is which, and why served runs ahead
+    expect(page.locator("#served-head")).to_contain_text("prefetched by the trainer's loader")
+    expect(page.locator("#consumed-head")).to_contain_text("reached the training loop")
+    assert "runs ahead" in (page.get_attribute("#served-head", "title") or "")
+    expect(page.locator("#jobs-explain")).to_contain_text("Served runs ahead of consumed")
+    expect(page.locator("#jobs-age")).to_have_text(re.compile(r"as of \d+\.\d s before"))
+    # equal tokenizers show one short hash, the full one as a tooltip
+    hashes = page.locator("#datasets [data-field=tokenizer-hash]")
+    expect(hashes).to_have_count(2)
+    short = {h.strip() for h in hashes.all_text_contents()}
+    assert len(short) == 1 and re.fullmatch(r"#[0-9a-f]{12}", short.pop())
+    assert (hashes.first.get_attribute("title") or "").startswith("blake2b-128:")
     page.context.close()

@@ -443,6 +443,35 @@ def test_jobs_view_shows_schedule_and_per_source_progress(
     assert progress[2]["epoch"] >= 1  # math wrapped around on its own
     assert job["epoch_windows"] == sum(p["epoch_windows"] for p in progress)
     assert job["shuffle"] == "global"
+    # its kind, and the weights in effect at the served position (past 96: the second)
+    assert job["kind"] == "mixture" and job["run"] is None
+    assert job["current_weights"] == {"web": 1, "math": 3}
+
+
+def test_a_single_dataset_job_says_its_kind(server: LiveServer) -> None:
+    w = Wire(server)
+    try:
+        welcome = w.welcome(dataset="web", seed=SEED + 8)
+        w.get(welcome.job, 0, 0, count=1)
+    finally:
+        w.close()
+    job = job_view(server, welcome.job, BATCH * WORLD)
+    assert job["kind"] == "dataset" and job["current_weights"] is None
+    assert job["sources"] is None and job["dataset"] == "web"
+
+
+def test_datasets_of_one_tokenizer_file_show_one_tokenizer_hash(server: LiveServer) -> None:
+    """Their kinds differ (trained vs loaded from the other's tokenizer.json), their hash
+    does not; a BPE trained on another corpus, and the byte datasets, have their own."""
+    listed = httpx.get(
+        server.http + "/v1/datasets", headers={"Authorization": f"Bearer {ALL}"}, timeout=10
+    ).json()
+    tok = {d["name"]: d["tokenizer"] for d in listed if "tokenizer" in d}
+    assert tok["bpe-web"]["kind"] != tok["bpe-code"]["kind"]
+    assert tok["bpe-web"]["hash"] == tok["bpe-code"]["hash"]
+    assert tok["bpe-math"]["hash"] != tok["bpe-web"]["hash"]
+    assert tok["web"]["hash"] == tok["code"]["hash"] != tok["bpe-web"]["hash"]  # both byte
+    assert all(t["hash"].startswith("blake2b-128:") for t in tok.values())
 
 
 # -- block shuffle -----------------------------------------------------------------------

@@ -209,6 +209,23 @@ def test_spread_over_three_one_killed_mid_run_gives_the_same_batches(
     got = run([srv.zmq for srv in three], kill)
     assert_same(got, reference)
     assert victim.proc is not None and victim.proc.returncode is not None  # it stayed dead
+    # The survivors counted the workers that failed over to them: clients whose first
+    # request came from a training loop already past position 0.
+    survivors = three[1:]
+    moved = sum(srv.settled_counter("clients_resumed") for srv in survivors)
+    assert moved >= 1
+    per_job = sum(j["resumed_clients"] for srv in survivors for j in srv.get("/v1/jobs").json())
+    assert per_job == moved
+
+
+def test_a_client_counts_its_failovers_and_one_replica_counts_none() -> None:
+    replicas = Replicas(["tcp://127.0.0.1:7400", "tcp://127.0.0.2:7400"], slot=0)
+    assert replicas.pick(advance=False) == "tcp://127.0.0.1:7400" and replicas.failovers == 0
+    assert replicas.pick(advance=True) == "tcp://127.0.0.2:7400" and replicas.failovers == 1
+    assert replicas.pick(advance=True) == "tcp://127.0.0.1:7400" and replicas.failovers == 2
+    alone = Replicas("tcp://127.0.0.1:7400")
+    alone.pick(advance=True)  # the same server again: a reconnect, not a failover
+    assert alone.failovers == 0
 
 
 def test_all_killed_and_one_restarted_continues_exactly(

@@ -133,9 +133,12 @@ def serve(s3: S3Server, front: S3Front, tmp_path: Path, cache_size: int, *extra:
 
 @dataclass
 class Trainer:
-    """A trainer in a thread: its batches and when each came."""
+    """A trainer in a thread: its batches and when each came. At each of ``gates`` (a
+    number of batches) it waits until the test opens the gate, so that a fault is
+    injected mid-epoch whatever the speed of the machine."""
 
     dataset: TokenFeedDataset
+    gates: dict[int, threading.Event] = field(default_factory=dict)
     batches: list[np.ndarray] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     error: BaseException | None = None
@@ -148,8 +151,14 @@ class Trainer:
             for batch in self.dataset:
                 self.batches.append(batch["input_ids"].numpy().copy())
                 self.times.append(time.monotonic())
+                gate = self.gates.get(len(self.batches))
+                if gate is not None and not gate.wait(120):
+                    raise TimeoutError(f"gate {len(self.batches)} never opened")
         except BaseException as exc:  # reported by the test
             self.error = exc
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
 
     def stall(self, began: float) -> float:
         """The longest wait between two batches that ended after ``began``."""
@@ -170,21 +179,28 @@ def report(line: dict[str, Any]) -> None:
 
 
 def fault(
-    srv: LiveServer, front: S3Front, trainer: Trainer, name: str, mode: str, seconds: float
+    srv: LiveServer,
+    front: S3Front,
+    trainer: Trainer,
+    gate: int,
+    fault_: tuple[str, str, float],
 ) -> dict[str, Any]:
-    """Fail the front in ``mode`` for ``seconds``, looking at the server halfway; then the
-    trainer's stall (measured once it has moved on) and what the server showed."""
+    """With the trainer held at ``gate``: fail the front (``(name, mode, seconds)``) and
+    let the trainer on, looking at the server halfway; then the trainer's stall (measured
+    once it has moved on) and what the server showed."""
+    name, mode, seconds = fault_
+    wait_until(lambda: len(trainer.batches) >= gate or trainer.done(), 60, f"{gate} batches")
+    assert trainer.error is None, trainer.error
     notices = srv.settled_counter("storage_notices")
     with front.outage(mode) as began:
+        trainer.gates[gate].set()
         time.sleep(seconds / 2)  # the outage itself: the test waits it out
         status = srv.get("/v1/status").json()
         datasets = srv.get("/v1/datasets").json()
         time.sleep(max(0.0, began + seconds - time.monotonic()))
         ended = time.monotonic()
     seen = len(trainer.batches)
-    wait_until(
-        lambda: len(trainer.batches) > seen + 8 or trainer.error, 60, f"batches after {name}"
-    )
+    wait_until(lambda: len(trainer.batches) > seen + 8 or trainer.done(), 60, f"after {name}")
     line = {
         "fault": name,
         "seconds": round(ended - began, 1),
@@ -210,17 +226,14 @@ def test_outages_mid_epoch_delay_the_job_and_every_batch_is_exact(
     with serve(s3, front, tmp_path, built.shard_bytes // 3) as srv:
         # A deadline shorter than the long outage: waiting on storage must not count.
         ds = TokenFeedDataset(srv.zmq, NAME, chunk_bytes=2048, deadline=30.0, **JOB)
-        trainer = Trainer(ds)
+        faults = {
+            40: ("refused 10 s", "refuse", 10.0),
+            100: ("refused 60 s", "refuse", 60.0),
+            160: ("503 SlowDown 8 s", "slowdown", 8.0),
+        }
+        trainer = Trainer(ds, gates={at: threading.Event() for at in faults})
         trainer.thread.start()
-        lines = []
-        for at, name, mode, seconds in (
-            (40, "refused 10 s", "refuse", 10.0),
-            (100, "refused 60 s", "refuse", 60.0),
-            (160, "503 SlowDown 8 s", "slowdown", 8.0),
-        ):
-            wait_until(lambda n=at: len(trainer.batches) >= n or trainer.error, 60, f"{at} batches")
-            assert trainer.error is None, trainer.error
-            lines.append(fault(srv, front, trainer, name, mode, seconds))
+        lines = [fault(srv, front, trainer, at, f) for at, f in faults.items()]
         trainer.thread.join(120)
         assert not trainer.thread.is_alive(), "the trainer did not finish"
     assert trainer.error is None, trainer.error
@@ -365,10 +378,12 @@ def test_a_cache_barely_larger_than_a_request_does_not_refetch_in_a_loop(
     # fetched ahead is evicted again by the current block's requests (the prefetch wants
     # room for a few blocks); what is tested here is the requests' own pins.
     with serve(s3, front, tmp_path, 6 * PIECE, "--prefetch-share", "0.01") as srv:
-        trainer = Trainer(TokenFeedDataset(srv.zmq, NAME, deadline=60.0, **job))
+        gate = threading.Event()
+        trainer = Trainer(TokenFeedDataset(srv.zmq, NAME, deadline=60.0, **job), {100: gate})
         trainer.thread.start()
-        wait_until(lambda: len(trainer.batches) >= 100 or trainer.error, 60, "100 batches")
+        wait_until(lambda: len(trainer.batches) >= 100 or trainer.done(), 60, "100 batches")
         with front.outage("refuse"):
+            gate.set()
             time.sleep(3.0)  # a small outage while requests compete for the room
         trainer.thread.join(60)
         assert not trainer.thread.is_alive(), "the trainer did not finish"

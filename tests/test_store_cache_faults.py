@@ -197,3 +197,16 @@ def test_a_prefetch_nobody_waits_for_gives_up_and_is_not_remembered(
     waiter = park(cache, refs[:2])  # a request is fetched at once
     assert waiter.wait(10) and waiter.error is None
     cache.release(waiter)
+
+
+def test_a_request_that_goes_away_lets_its_fetch_give_up(
+    make_cache: type[PieceCache], bucket: Bucket
+) -> None:
+    cache = make_cache(retry_s=600.0)
+    bucket.fail = REFUSED
+    waiter = park(cache, bucket.refs()[:2])
+    wait_until(lambda: cache.fault_of(waiter), 10, "a fault on the request")
+    cache.release(waiter)  # its trainer left: nobody waits for those pieces any more
+    wait_until(lambda: cache.stats()["fetching"] == 0, 10, "the fetches given up")
+    stats = cache.stats()
+    assert stats["retrying"] == 0 and stats["unreadable"] == 0 and stats["reserved_bytes"] == 0

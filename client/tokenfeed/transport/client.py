@@ -467,11 +467,11 @@ class FeedClient:
         self.hello(deadline_at=last_progress + opts.deadline, failover=msg is None)
 
     def _storage_wait(self, err: protocol.Err) -> float:
-        """For a server's notice that object storage does not answer while it retries
-        (a retryable ``storage_unavailable`` worded as
-        :meth:`~tokenfeed.errors.StorageUnavailable.retrying_message`): log it (at most
-        every 30 s) and return until when (``time.monotonic``) the server keeps trying;
-        0.0 for any other err (another refusal; a server that does not keep the request)."""
+        """For a retryable ``storage_unavailable``: log what the trainer waits for (at
+        most every 30 s), and if it is the server's notice (worded as
+        :meth:`~tokenfeed.errors.StorageUnavailable.retrying_message`: the request stays
+        queued while the server retries) return until when (``time.monotonic``) the
+        server keeps trying. 0.0 for any other err: a refusal, asked again as before."""
         if not (err.retry and err.code == StorageUnavailable.code):
             return 0.0
         now = time.monotonic()

@@ -102,6 +102,9 @@ class Replicas:
         self._turn = slot
         #: the latest resolution (empty until :meth:`pick` or :meth:`resolve` ran)
         self.last = Resolved((), {}, {})
+        #: times this client moved on to another replica (the one tried last failed);
+        #: the client's side of failover counting (``FeedClient.replicas.failovers``)
+        self.failovers = 0
 
     def resolve(self) -> Resolved:
         """Resolve every endpoint now: addresses in the given order of the endpoints,
@@ -132,6 +135,8 @@ class Replicas:
         if advance:
             self._turn += 1
         addresses = self.resolve().addresses
+        if advance and len(addresses) > 1:  # one replica: a reconnect, not a failover
+            self.failovers += 1
         return addresses[self._turn % len(addresses)] if addresses else None
 
     @property

@@ -42,6 +42,16 @@ class Job:
     #: largest consumed position the trainer reported (-1: none yet); see protocol.Get
     consumed: int = -1
     created: float = field(default_factory=time.time)
+    #: when its last connection left (bye or silence; Unix time), None while one is
+    #: attached: the page tells a run that ended from one that is training
+    ended: float | None = None
+    #: the consumed position the job's first request here reported, when above 0: it was
+    #: served before elsewhere (another replica: a failover), by this server before a
+    #: restart, or the trainer resumed from a checkpoint; None otherwise
+    resumed_at: int | None = None
+    #: clients (workers) whose first request here came from a training loop already past
+    #: position 0: failovers from another replica, mostly (see dataplane.gets)
+    resumed_clients: int = 0
     last_active: float = field(default_factory=time.monotonic)
     # client name -> (rank -> highest position asked): a client re-asking at or below its
     # own mark is re-sending (Lazy Pirate after silence or a restart)

@@ -222,7 +222,7 @@ class DataPlane:
             raise ProtocolError(f"requests are exactly one header frame, got {len(frames)} frames")
         msg = protocol.decode_header(frames[0].buffer)
         if isinstance(msg, protocol.Get):
-            accept_get(self.registry, ident, tenant, msg)
+            accept_get(self.registry, ident, tenant, msg, self.counters)
         elif isinstance(msg, protocol.Hello):
             wire.send(ident, [self._admission.hello(ident, tenant, msg).header()])
         elif isinstance(msg, protocol.Ping):

@@ -12,6 +12,7 @@ import time
 
 from tokenfeed import protocol
 from tokenfeed.errors import ConnectionLimit
+from tokenfeed_server.dataplane.job_view import EndedJobs
 from tokenfeed_server.dataplane.jobs import Job, Peer
 from tokenfeed_server.dataplane.scheduler import FairQueue
 
@@ -31,6 +32,8 @@ class Registry:
         self.by_name: dict[tuple[str, str], bytes] = {}
         #: queued gets per job id, served by deficit round robin (``quantum`` bytes a round)
         self.queue: FairQueue[str, QueuedGet] = FairQueue(quantum)
+        #: the final views of the jobs forgotten last (``/v1/jobs?forgotten=true``)
+        self.ended = EndedJobs()
 
     # -- jobs ------------------------------------------------------------------------
 
@@ -41,8 +44,8 @@ class Registry:
         self.queue.add(job.id, job.weight, group=job.tenant)
 
     def drop_job(self, jid: str) -> None:
-        """Forget job ``jid`` and its queue."""
-        del self.jobs[jid]
+        """Forget job ``jid`` and its queue, keeping its final view (:class:`EndedJobs`)."""
+        self.ended.keep(self.jobs.pop(jid), time.monotonic())
         self.queue.remove(jid)
 
     def has_peers(self, jid: str) -> bool:
@@ -115,6 +118,7 @@ class Registry:
         peer = old or Peer(msg.client, job.id, msg.rank, msg.worker, tenant, window)
         peer.rank, peer.worker = msg.rank, msg.worker
         peer.window, peer.last_seen = window, time.monotonic()
+        job.ended = None
         self.peers[ident] = peer
         self.by_name[(tenant, msg.client)] = ident
         return peer
@@ -132,6 +136,8 @@ class Registry:
             return
         if gone:
             job.high_water.pop(peer.name, None)
+            if not self.has_peers(job.id):  # its last connection is done: the run ended
+                job.ended = time.time()
         if peer.queued:
             self.queue.discard(job.id, lambda item: item[0] == ident)
 

@@ -204,7 +204,9 @@ class Serving:
 
     def _sweep(self, cache: PieceCache, now: float) -> None:
         """Release the pins of requests whose connection or job is gone (a reconnected
-        client asks again on its new connection: those pieces are pinned anew)."""
+        client asks again on its new connection: those pieces are pinned anew). A
+        connection with a parked request is not idle: its client waits for the server,
+        which must not forget it (``--peer-timeout-s``) however long storage is away."""
         peers, jobs = self.registry.peers, self.registry.jobs
         for key, item in list(self._held.items()):
             peer = peers.get(item.ident)
@@ -217,6 +219,7 @@ class Serving:
             if peer is None or item.jid not in jobs or peer.job != item.jid:
                 cache.release(item.waiter)
             else:
+                peer.last_seen = max(peer.last_seen, now)
                 kept.append(item)
         self._parked = kept
         stale = now - 10 * NOTICE_EVERY_S

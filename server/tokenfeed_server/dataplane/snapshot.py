@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import collections
 import sys
+import time
 from typing import Any
 
-from tokenfeed_server.dataplane.jobs import Job
+from tokenfeed_server.dataplane.job_view import job_view
 from tokenfeed_server.dataplane.registry import Registry
 
 __all__ = ["EMPTY_SNAPSHOT", "held_versions", "make_snapshot"]
@@ -15,9 +16,11 @@ __all__ = ["EMPTY_SNAPSHOT", "held_versions", "make_snapshot"]
 #: what the HTTP side reads before the loop's first snapshot
 EMPTY_SNAPSHOT: dict[str, Any] = {
     "jobs": [],
+    "ended_jobs": [],
+    "taken": None,
     "connections": 0,
     "counters": {},
-    "memory": {"jobs": 0, "connections": 0},
+    "memory": {"jobs": 0, "connections": 0, "ended_jobs": 0},
     "held": {},
 }
 
@@ -30,19 +33,23 @@ def make_snapshot(
     endpoint: str,
     counters: collections.Counter[str],
 ) -> dict[str, Any]:
-    """Every job's view, the connection count and the loop's counters at ``now``."""
+    """Every job's view, the forgotten jobs' final views (:mod:`.job_view`), the
+    connection count and the loop's counters at monotonic ``now``; ``taken`` is the wall
+    time, so the HTTP side can say how old what it shows is."""
     # Workers, not connections: the loader's short progress reports and its hello before
     # starting workers come as (rank, worker 0) too, and are no extra worker.
     workers = {(p.job, p.rank, p.worker) for p in registry.peers.values()}
     per_job = collections.Counter(jid for jid, _, _ in workers)
     jobs = [
-        _job_view(job, now, workers=per_job[job.id], queued=registry.queue.queued(job.id))
+        job_view(job, now, workers=per_job[job.id], queued=registry.queue.queued(job.id))
         for job in registry.jobs.values()
     ]
     return {
         "server": server,
         "endpoint": endpoint,
+        "taken": time.time(),
         "jobs": jobs,
+        "ended_jobs": registry.ended.views(now, registry.jobs),
         "connections": len(registry.peers),
         "counters": dict(counters),
         "memory": registry_bytes(registry),
@@ -64,8 +71,9 @@ def held_versions(registry: Registry) -> dict[str, list[str]]:
 def registry_bytes(registry: Registry) -> dict[str, int]:
     """Estimated bytes of the loop's own records: ``jobs`` (each job's record, its re-send
     marks and rate windows; its datasets and mixture tables are counted by the store) and
-    ``connections`` (each connection's record and name). Computed on the loop thread with
-    the snapshot, so the HTTP side never walks tables the loop is changing.
+    ``connections`` (each connection's record and name), ``ended_jobs`` (the final views
+    of forgotten jobs, at most :data:`~.job_view.MAX_ENDED`). Computed on the loop thread
+    with the snapshot, so the HTTP side never walks tables the loop is changing.
     """
     size = sys.getsizeof
     jobs = size(registry.jobs)
@@ -76,40 +84,8 @@ def registry_bytes(registry: Registry) -> dict[str, int]:
     peers = size(registry.peers) + size(registry.by_name)
     for ident, peer in registry.peers.items():
         peers += size(ident) + size(peer) + size(peer.__dict__) + size(peer.name)
-    return {"jobs": jobs if registry.jobs else 0, "connections": peers if registry.peers else 0}
-
-
-def _job_view(job: Job, now: float, *, workers: int, queued: int) -> dict[str, Any]:
-    """One job as ``/v1/jobs`` shows it (a :class:`~tokenfeed_server.http.models.JobView`)."""
-    windows = job.feed.n_windows
-    served_rate = job.served_rate.sample(now, job.tokens)
-    consumed_rate = 0.0
-    if job.consumed >= 0:
-        # Tokens the model reads: seq_len per window (the +1 is the last label).
-        consumed_rate = job.consumed_rate.sample(now, job.consumed * job.spec.seq_len)
     return {
-        "id": job.id,
-        "tenant": job.tenant,
-        "dataset": job.feed.label,
-        "seq_len": job.spec.seq_len,
-        "batch_size": job.spec.batch_size,
-        "seed": job.spec.seed,
-        "world_size": job.spec.world_size,
-        "weight": job.weight,
-        "workers": workers,
-        "requests": job.requests,
-        "batches_served": job.batches,
-        "tokens_served": job.tokens,
-        "tokens_per_s": round(served_rate, 1),
-        "position": job.position,
-        "epoch": job.position // windows,
-        "consumed_position": job.consumed if job.consumed >= 0 else None,
-        "consumed_epoch": job.consumed // windows if job.consumed >= 0 else None,
-        "consumed_tokens_per_s": round(consumed_rate, 1),
-        "epoch_windows": windows,
-        "idle_s": round(max(0.0, now - job.last_active), 1),
-        "retransmits": job.retransmits,
-        "queued": queued,
-        "created": job.created,
-        **job.feed.describe(job.position, job.consumed),
+        "jobs": jobs if registry.jobs else 0,
+        "connections": peers if registry.peers else 0,
+        "ended_jobs": registry.ended.held_bytes(),
     }

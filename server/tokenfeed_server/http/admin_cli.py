@@ -124,50 +124,98 @@ def _uptime(seconds: float) -> str:
     return f"{days}d {hours}h {minutes}m" if days else f"{hours}h {minutes}m {s}s"
 
 
+#: Printed under the jobs table: what the two positions mean and why they differ.
+SERVED_VS_CONSUMED = (
+    "SERVED: positions the server sent, prefetched by the trainer's loader; CONSUMED: "
+    "positions that reached the training loop. SERVED runs ahead by the request window "
+    "and the DataLoader's prefetch."
+)
+
+
 def render_jobs(jobs: list[dict[str, Any]]) -> Table:
-    """One row per job: who, what, the plan, and how far its training loop is (CONSUMED,
-    EPOCH, EPOCH %, TOKENS/S are the trainer's; PREFETCHED is what the server sent)."""
+    """One row per job: who, what (KIND: one dataset, or a mixture with each source's
+    weight at the served position), the run and plan, and how far its training loop is
+    (CONSUMED, EPOCH, EPOCH %, TOKENS/S are the trainer's; SERVED is what the server sent,
+    the loader's prefetch). A job that ended says so in LAST REQUEST; a forgotten one's
+    counters are final."""
     table = _table(
-        "TENANT", "DATASET", "SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "CONSUMED",
-        "PREFETCHED", "EPOCH", "EPOCH %", "TOKENS/S", "RETRANSMITS", "LAST REQUEST", "JOB",
-        right=("SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "CONSUMED", "PREFETCHED", "EPOCH",
+        "TENANT", "DATASET", "KIND", "RUN", "SEQ", "BATCH", "WORLD", "SEED", "WORKERS",
+        "CONSUMED", "SERVED", "EPOCH", "EPOCH %", "TOKENS/S", "RETRANSMITS", "LAST REQUEST",
+        "JOB",
+        right=("SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "CONSUMED", "SERVED", "EPOCH",
                "EPOCH %", "TOKENS/S", "RETRANSMITS"),
     )  # fmt: skip
-    for job in sorted(jobs, key=lambda j: (j["tenant"], j["dataset"], j["id"])):
+    order = lambda j: (bool(j.get("forgotten")), j["tenant"], j["dataset"], j["id"])  # noqa: E731
+    for job in sorted(jobs, key=order):
         at, epoch, windows = job["consumed_position"], job["consumed_epoch"], job["epoch_windows"]
         done = "-" if at is None else f"{100 * (at - epoch * windows) / windows:.1f}"
         table.add_row(
             *_cells(
-                job["tenant"], job["dataset"], job["seq_len"], job["batch_size"],
-                job["world_size"], job["seed"], job["workers"],
-                "-" if at is None else _count(at), _count(job["position"]),
+                job["tenant"], job["dataset"], _kind(job), job.get("run") or "-",
+                job["seq_len"], job["batch_size"], job["world_size"], job["seed"],
+                job["workers"], "-" if at is None else _count(at), _count(job["position"]),
                 "-" if epoch is None else epoch, done, f"{job['consumed_tokens_per_s']:,.0f}",
-                _count(job["retransmits"]), _ago(job["idle_s"]), job["id"],
+                _count(job["retransmits"]), _last(job), job["id"],
             )
         )  # fmt: skip
     return table
+
+
+def _kind(job: dict[str, Any]) -> str:
+    """``dataset``, or ``mixture`` with each source's share at the served position."""
+    if job.get("kind") != "mixture":
+        return "dataset"  # a server from before kinds sends single-dataset jobs only
+    weights = job.get("current_weights") or {}
+    total = sum(weights.values()) or 1
+    shares = ", ".join(f"{n} {100 * weights.get(n, 0) / total:.0f}%" for n in job["sources"])
+    return f"mixture({shares})"
+
+
+def _last(job: dict[str, Any], now: float | None = None) -> str:
+    """When the job's last request came, or when it ended (``final`` once forgotten)."""
+    ended = job.get("ended")
+    if ended is None:
+        return _ago(job["idle_s"])
+    ago = _ago(max(0.0, (time.time() if now is None else now) - ended))
+    return f"ended {ago}" + (" (final)" if job.get("forgotten") else "")
+
+
+def jobs_footer(jobs: list[dict[str, Any]]) -> str:
+    """The line under the jobs table: what SERVED and CONSUMED mean, and how old the
+    server's snapshot was (it is rebuilt every 0.5 s)."""
+    ages = [j["snapshot_age_s"] for j in jobs if j.get("snapshot_age_s") is not None]
+    age = f"Snapshot taken {ages[0]:.1f} s before this answer. " if ages else ""
+    return age + SERVED_VS_CONSUMED
 
 
 def render_datasets(datasets: list[dict[str, Any]]) -> Table:
     """One row per dataset: storage status, size, tokenizer, shards (``-`` for one that
     does not open); what is wrong is listed under the table (:func:`render_problems`)."""
     table = _table(
-        "NAME", "STATUS", "TOKENS", "DOCUMENTS", "TOKENIZER", "VOCAB", "EOS", "SHARDS", "CREATED",
+        "NAME", "STATUS", "TOKENS", "DOCUMENTS", "TOKENIZER", "VOCAB", "EOS", "TOKENIZER HASH",
+        "SHARDS", "CREATED",
         right=("TOKENS", "DOCUMENTS", "VOCAB", "EOS", "SHARDS"),
     )  # fmt: skip
     for ds in sorted(datasets, key=lambda d: d["name"]):
         status = _health(ds)
         if "tokenizer" not in ds:  # not opened: no manifest summary
-            table.add_row(*_cells(ds["name"], status, "-", "-", "-", "", "", "", ""))
+            table.add_row(*_cells(ds["name"], status, "-", "-", "-", "", "", "", "", ""))
             continue
         t = ds["tokenizer"]
         table.add_row(
             *_cells(
                 ds["name"], status, _count(ds["tokens"]), _count(ds["documents"]), t["kind"],
-                _count(t["vocab_size"]), t["eos_id"], ds["shards"], ds["created"],
+                _count(t["vocab_size"]), t["eos_id"], short_hash(t.get("hash")), ds["shards"],
+                ds["created"],
             )
         )  # fmt: skip
     return table
+
+
+def short_hash(digest: str | None) -> str:
+    """The short form of a content hash (12 hex digits after its ``algo:`` prefix), as
+    the console shows it; ``-`` from a server from before tokenizer hashes."""
+    return digest.rsplit(":", 1)[-1][:12] if digest else "-"
 
 
 def _health(ds: dict[str, Any]) -> str:
@@ -246,8 +294,12 @@ def _run(
 
 
 def _jobs(get: Callable[[str], Any]) -> tuple[Any, RenderableType]:
-    jobs = get("/v1/jobs")
-    return jobs, render_jobs(jobs)
+    from rich.console import Group
+    from rich.text import Text
+
+    # The forgotten jobs too, as on the page: a run that just ended keeps its counters.
+    jobs = get("/v1/jobs?forgotten=true")
+    return jobs, Group(render_jobs(jobs), Text(""), Text(jobs_footer(jobs)))
 
 
 def _datasets(get: Callable[[str], Any]) -> tuple[Any, RenderableType]:
@@ -266,7 +318,11 @@ def _status(get: Callable[[str], Any]) -> tuple[Any, RenderableType]:
 
 
 _COMMANDS = {
-    "jobs": (_jobs, "list the jobs the token may see (GET /v1/jobs)"),
+    "jobs": (
+        _jobs,
+        "list the jobs the token may see, and the last ones forgotten with their final "
+        "counters (GET /v1/jobs?forgotten=true)",
+    ),
     "datasets": (_datasets, "list the datasets the token may read (GET /v1/datasets)"),
     "status": (_status, "show the server: version, uptime, connections, limits (GET /v1/status)"),
 }

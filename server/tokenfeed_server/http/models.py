@@ -68,6 +68,12 @@ class TokenizerView(_Model):
     kind: str = Field(description="Tokenizer family, e.g. `byte` or `bpe`.")
     vocab_size: int = Field(description="Number of token ids, the EOS id included.")
     eos_id: int = Field(description="Id of the end-of-document token.")
+    hash: str = Field(
+        description="The tokenizer's identity, shared by every dataset prepared with an equal "
+        "tokenizer whatever its `kind` label: `blake2b-128:` of the tokenizer file's hash "
+        "(Hugging Face tokenizers) or of kind, vocabulary size and EOS id (byte), with the "
+        "vocabulary size and EOS id. Two datasets mix only if their hashes are equal."
+    )
 
 
 #: A dataset's storage health (see :mod:`tokenfeed_server.store.health`).
@@ -199,6 +205,11 @@ class JobView(_Model):
     DataLoader's prefetch); ``consumed_position`` is how far the training loop has
     *taken* batches, as the trainer reported it. Positions count windows (rows, samples
     of all ranks) from the start of the stream; epochs are laid end to end.
+
+    The list is the data plane's snapshot (rebuilt every 0.5 s: ``snapshot_age_s`` says
+    how old). A job whose trainer left has ``ended`` set and keeps its counters until it
+    is forgotten (``--job-ttl-s``); ``?forgotten=true`` also lists the last 64 forgotten
+    jobs with their final counters (``forgotten: true``).
     """
 
     id: str = Field(
@@ -208,6 +219,14 @@ class JobView(_Model):
     dataset: str = Field(
         description="Name of the dataset the job reads; for a mixture its sources' names "
         "joined by `+` (cut near 200 characters, ending `+...(N more)`: see `sources`)."
+    )
+    kind: Literal["dataset", "mixture"] = Field(
+        description="`dataset`: the job reads one dataset; `mixture`: several (`sources`, "
+        "`schedule`, `current_weights`)."
+    )
+    run: str | None = Field(
+        description="The launch's run id (one per training launch, shared by its ranks); "
+        "null for a client from before run ids."
     )
     seq_len: int = Field(description="Tokens per row, before the one-token shift.")
     batch_size: int = Field(description="Rows per batch of one rank.")
@@ -264,6 +283,10 @@ class JobView(_Model):
     schedule: list[ScheduleSegmentView] | None = Field(
         description="A mixture's schedule, segment by segment; null for one dataset."
     )
+    current_weights: dict[str, int] | None = Field(
+        description="A mixture's weights in effect at the served position (the schedule "
+        "segment that holds `position`; reduced integers, absent: 0); null for one dataset."
+    )
     source_progress: list[SourceProgressView] | None = Field(
         description="A mixture's sources (in `sources` order): rows served and consumed and "
         "their own epochs; null for one dataset."
@@ -272,6 +295,32 @@ class JobView(_Model):
     retransmits: int = Field(description="Requests for data that was already sent once.")
     queued: int = Field(description="Requests waiting for their turn.")
     created: float = Field(description="When the job was first seen (Unix time, seconds).")
+    ended: float | None = Field(
+        description="When the job's last connection left (bye, or silence past the peer "
+        "timeout; Unix time, seconds); null while a worker is attached."
+    )
+    forgotten: bool = Field(
+        description="True for a job the data plane no longer holds (its TTL ran out, or a "
+        "new job of its tenant needed the room): listed with `?forgotten=true`, its "
+        "counters are final. A trainer resuming it starts a new entry."
+    )
+    resumed_at: int | None = Field(
+        description="The consumed position the job's first request to this server "
+        "reported, when above 0: its training loop took batches before this server served "
+        "it any (a failover from another replica, a restart of this server, or a resume "
+        "from a checkpoint); null otherwise."
+    )
+    resumed_clients: int = Field(
+        description="Clients (DataLoader workers) whose first request for this job to this "
+        "server reported a consumed position above 0: they were training before, mostly "
+        "failovers from another replica (a restart of this server or a resume from a "
+        "checkpoint look the same). Summed over jobs in the `clients_resumed` counter."
+    )
+    snapshot_age_s: float | None = Field(
+        default=None,
+        description="Seconds since the data plane took the snapshot this view comes from "
+        "(refreshed every 0.5 s); null before the first one.",
+    )
 
 
 class LimitsView(_Model):
@@ -375,5 +424,6 @@ class StatusView(_Model):
     memory: dict[str, int] = Field(
         default_factory=dict,
         description="Bytes the server holds by owner: row_buffers, window_blocks, "
-        "mixture_tables (store), jobs and connections (data plane records, estimated).",
+        "mixture_tables (store), jobs, connections and ended_jobs (data plane records and "
+        "the final views of the last 64 forgotten jobs, estimated).",
     )

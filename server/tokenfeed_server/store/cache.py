@@ -257,6 +257,10 @@ class PieceCache:
                     self._admission.remove(waiter)
             for entry in waiter.pinned:
                 entry.pins -= 1
+                if entry.digest in waiter.pending:
+                    # gone: a fetch nobody waits for any more may give up (see Faults)
+                    with contextlib.suppress(ValueError):
+                        entry.waiters.remove(waiter)
             waiter.pinned = []
             self._admit_waiting()
             self._schedule_prefetch()
@@ -523,8 +527,11 @@ class PieceCache:
         return self.faults.of(waiter)
 
     def disk_bytes(self) -> int:
-        """Bytes of every file under the cache directory now (temp files included)."""
-        return self.files.disk_bytes()
+        """Bytes of every file under the cache directory now (temp files and evicted ones
+        not unlinked yet included), for tests and tools. The scan holds the lock: it never
+        adds a file unlinked for one reservation to a file written for it afterwards."""
+        with self.lock:
+            return self.files.disk_bytes()
 
     def close(self) -> None:
         """Stop the fetchers, close every file; every waiting request is answered with

@@ -40,6 +40,18 @@ class TokenizerInfo:
     file_hash: str | None = None
     file: str | None = None
 
+    @property
+    def identity(self) -> str:
+        """A content hash shared by equal tokenizers, whatever their ``kind`` label says:
+        the tokenizer file's hash when there is a file (the ``kind`` names its family and
+        may differ between two preparations of one tokenizer), else kind, vocabulary and
+        EOS id (a byte tokenizer is those three); vocabulary and EOS id in both."""
+        if self.file_hash is not None:
+            key = f"file={self.file_hash}|vocab={self.vocab_size}|eos={self.eos_id}"
+        else:
+            key = f"kind={self.kind}|vocab={self.vocab_size}|eos={self.eos_id}"
+        return "blake2b-128:" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.vocab_size > 1 << 32:
             raise ValueError(f"vocab_size must be in [1, 2**32], got {self.vocab_size}")

@@ -143,15 +143,18 @@ class Feed:
 
     def describe(self, position: int, consumed: int) -> dict[str, Any]:
         """What /v1/jobs shows of the feed at served ``position`` and ``consumed``
-        position (-1: none reported): the shuffle, and for a mixture its sources, schedule
-        and per source the rows served and consumed and the source-local epochs."""
+        position (-1: none reported): its kind and shuffle, and for a mixture its sources,
+        schedule, the weights in effect at ``position`` and per source the rows served and
+        consumed and the source-local epochs."""
         first = self.first.plan
         view: dict[str, Any] = {
+            "kind": "dataset" if self.mixture is None else "mixture",
             "shuffle": first.shuffle,
             "region_windows": 0 if self.mixture else first.region_windows,
             "block_regions": 0 if self.mixture else first.block_regions,
             "sources": None,
             "schedule": None,
+            "current_weights": None,
             "source_progress": None,
         }
         if self.mixture is None:
@@ -159,9 +162,9 @@ class Feed:
         served = self.mixture.counts(position)
         taken = self.mixture.counts(consumed) if consumed >= 0 else None
         view["sources"] = list(self.names)
-        view["schedule"] = [
-            {"start": start, "weights": weights} for start, weights in self.mixture.schedule
-        ]
+        schedule = self.mixture.schedule
+        view["schedule"] = [{"start": start, "weights": weights} for start, weights in schedule]
+        view["current_weights"] = schedule[self.mixture.segment_at(position)][1]
         view["source_progress"] = [
             {
                 "name": src.name,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -94,6 +93,11 @@ def _never() -> bool:
     return False
 
 
+def _sleep(seconds: float) -> bool:
+    time.sleep(seconds)
+    return True
+
+
 @dataclass(frozen=True)
 class FetchHooks:
     """What a fetch tells its cache, and the clock it runs on (injectable for tests)."""
@@ -109,7 +113,7 @@ class FetchHooks:
     stopping: Callable[[], bool] = _never
     clock: Callable[[], float] = time.monotonic
     #: wait this many seconds; False if woken because the server stops
-    sleep: Callable[[float], bool] = field(default=lambda s: not threading.Event().wait(s))
+    sleep: Callable[[float], bool] = _sleep
     rng: random.Random = field(default_factory=random.Random)
 
 

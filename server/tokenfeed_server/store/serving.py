@@ -574,6 +574,7 @@ def summary(ds: Dataset, *, versions_in_use: list[str] | None = None) -> dict[st
             "kind": m.tokenizer.kind,
             "vocab_size": m.tokenizer.vocab_size,
             "eos_id": m.tokenizer.eos_id,
+            "hash": m.tokenizer.identity,
         },
         "shuffle_seed": m.shuffle_seed,
         "format_version": m.format_version,

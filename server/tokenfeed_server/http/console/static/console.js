@@ -7,7 +7,9 @@
   const REFRESH_MS = 2000;
   const HISTORY_S = 300; // the sparkline shows the last five minutes seen by this page
   const TOKEN_KEY = "tokenfeed.token";
+  const AGE_HEADER = "X-Tokenfeed-Snapshot-Age";
   const history = new Map(); // job id -> [[seconds, tokens/s], ...]
+  let snapshotAge = null; // seconds: how old the data plane's snapshot of the jobs was
 
   const $ = (id) => document.getElementById(id);
 
@@ -52,6 +54,8 @@
     if (token) headers.Authorization = `Bearer ${token}`;
     const res = await fetch(path, { headers, cache: "no-store" });
     if (res.status === 401) throw new Unauthorized(path);
+    const age = res.headers.get(AGE_HEADER);
+    if (age !== null) snapshotAge = Number(age);
     if (!res.ok) {
       let detail = "";
       try { detail = (await res.json()).detail; } catch (_) { /* not JSON */ }
@@ -129,13 +133,39 @@
     return td;
   }
 
+  /** The short form of a content hash: 12 hex digits after its algorithm prefix. */
+  const shortHash = (hash) => String(hash).split(":").pop().slice(0, 12);
+
+  /** What a job reads: its dataset, or "mixture" with each source's current weight. */
+  function kindCell(job) {
+    if (job.kind !== "mixture") return cell("kind", "dataset");
+    const weights = job.current_weights || {};
+    const total = Object.values(weights).reduce((a, b) => a + b, 0) || 1;
+    const text = (job.sources || []).map((name) =>
+      `${name} ${((100 * (weights[name] || 0)) / total).toFixed(0)}%`).join(" · ");
+    const td = cell("kind", [el("span", "mixture", "badge"), el("span", ` ${text}`, "muted")]);
+    td.title = "the weights in effect at the served position";
+    return td;
+  }
+
+  /** When the job's last request came, or when it ended (and whether it is forgotten). */
+  function lastCell(job) {
+    if (job.ended === null || job.ended === undefined) return cell("idle", duration(job.idle_s));
+    const ago = duration(Date.now() / 1000 - job.ended);
+    return cell("idle", job.forgotten ? `ended ${ago} · final` : `ended ${ago}`, "muted");
+  }
+
   function renderJobs(jobs) {
     remember(jobs);
-    jobs.sort((a, b) => a.tenant.localeCompare(b.tenant) || a.dataset.localeCompare(b.dataset));
+    // Live jobs first; the forgotten ones (final counters) after them.
+    jobs.sort((a, b) => Number(Boolean(a.forgotten)) - Number(Boolean(b.forgotten)) ||
+      a.tenant.localeCompare(b.tenant) || a.dataset.localeCompare(b.dataset));
     const rows = jobs.map((job) => {
-      const tr = el("tr");
+      const ended = job.ended !== null && job.ended !== undefined;
+      const tr = el("tr", undefined, ended ? "ended" : undefined);
       tr.dataset.job = job.id;
-      tr.title = `job ${job.id}`;
+      tr.dataset.forgotten = job.forgotten ? "yes" : "no";
+      tr.title = `job ${job.id}` + (job.forgotten ? " (forgotten by the server: final counters)" : "");
       const plan = `seq ${job.seq_len} · batch ${job.batch_size} · world ${job.world_size} · seed ${job.seed}`;
       // Progress is the training loop's (what it consumed), not the server's prefetch;
       // a trainer that has not reported yet shows a dash.
@@ -152,6 +182,8 @@
       tr.append(
         cell("tenant", job.tenant),
         cell("dataset", job.dataset),
+        kindCell(job),
+        cell("run", job.run || "—", job.run ? undefined : "muted"),
         cell("plan", plan),
         cell("workers", job.workers, "num"),
         cell("consumed", consumed, "num"),
@@ -159,13 +191,15 @@
         cell("progress", progress),
         cell("rate", [el("span", short(job.consumed_tokens_per_s)), sparkline(history.get(job.id))], "num"),
         cell("retransmits", int(job.retransmits), "num"),
-        cell("idle", duration(job.idle_s)),
+        lastCell(job),
       );
       return tr;
     });
     $("jobs").tBodies[0].replaceChildren(...rows);
     $("jobs-empty").hidden = jobs.length > 0;
     $("jobs-count").textContent = `(${jobs.length})`;
+    $("jobs-age").textContent = snapshotAge === null ? "" :
+      `as of ${snapshotAge.toFixed(1)} s before this refresh (the server's snapshot, every 0.5 s)`;
   }
 
   const STATUS_CLASS = { ok: "badge ok", degraded: "badge warn", unavailable: "badge bad" };
@@ -207,6 +241,19 @@
     return tr;
   }
 
+  /** The tokenizer: its kind label, vocabulary, EOS id and the short form of its hash
+   * (equal tokenizers share it, whatever their labels), the full hash as a tooltip. */
+  function tokenizerCell(t) {
+    const td = cell("tokenizer", `${t.kind} · vocab ${int(t.vocab_size)} · eos ${t.eos_id}`);
+    if (t.hash) {
+      const hash = el("code", ` #${shortHash(t.hash)}`, "hash");
+      hash.dataset.field = "tokenizer-hash";
+      hash.title = t.hash;
+      td.append(hash);
+    }
+    return td;
+  }
+
   function renderDatasets(datasets) {
     const columns = 7;
     const rows = datasets.flatMap((ds) => {
@@ -226,7 +273,7 @@
           badge,
           cell("tokens", int(ds.tokens), "num"),
           cell("documents", int(ds.documents), "num"),
-          cell("tokenizer", `${t.kind} · vocab ${int(t.vocab_size)} · eos ${t.eos_id}`),
+          tokenizerCell(t),
           cell("shards", ds.shards, "num"),
           cell("created", ds.created),
         );
@@ -244,11 +291,13 @@
     $("updated").textContent = text;
   }
 
+  /** Ask for a token. A message (a refused token) stays until the user acts (submits
+   * again): the refreshes that keep asking call this without one and leave it shown. */
   function showLogin(message) {
     $("login").hidden = false;
     $("main").hidden = true;
     $("logout").hidden = true;
-    $("login-error").textContent = message;
+    if (message !== undefined) $("login-error").textContent = message;
   }
 
   async function refresh() {
@@ -257,12 +306,12 @@
       const authenticated = status.config.auth !== "open";
       if (authenticated && !sessionStorage.getItem(TOKEN_KEY)) {
         renderServer(status, null);
-        showLogin("");
+        showLogin();
         setLive(true, "waiting for a token");
         return;
       }
       const [limits, datasets, jobs] = await Promise.all([
-        getJSON("v1/limits"), getJSON("v1/datasets"), getJSON("v1/jobs"),
+        getJSON("v1/limits"), getJSON("v1/datasets"), getJSON("v1/jobs?forgotten=true"),
       ]);
       renderServer(status, limits);
       renderJobs(jobs);
@@ -291,6 +340,7 @@
   function start() {
     $("login").addEventListener("submit", (event) => {
       event.preventDefault();
+      $("login-error").textContent = ""; // the user acted: the old verdict goes
       sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
       $("token").value = "";
       loop();
