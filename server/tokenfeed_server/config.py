@@ -129,7 +129,11 @@ class CacheSettings(BaseModel):
         default=16, ge=1, description="threads fetching pieces from object storage"
     )
     cache_fetch_attempts: int = Field(
-        default=3, ge=1, description="GETs of a piece in all before it is reported unreadable"
+        default=3,
+        ge=1,
+        description="GETs of a piece in all after an error that is not a storage fault (refused "
+        "credentials, a truncated object) before it is reported unreadable; unreachable "
+        "storage is retried for --storage-retry-s instead",
     )
     cache_mismatch_attempts: int = Field(
         default=3,

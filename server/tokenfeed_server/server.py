@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import resource
 import signal
 import socket
@@ -120,7 +121,10 @@ def _open_store(config: ServerConfig, cleanup: contextlib.ExitStack) -> Store:
     from tokenfeed_server.store.cache import PieceCache
     from tokenfeed_server.store.objects import ObjectStore
 
-    objects = ObjectStore(location)
+    # Two attempts per call (unless AWS_MAX_ATTEMPTS says otherwise): the cache retries
+    # unreachable storage itself for --storage-retry-s, so botocore's own 5 attempts (up
+    # to ~15 s per call) would only hide the moment storage answers again.
+    objects = ObjectStore(location, max_attempts=None if os.environ.get("AWS_MAX_ATTEMPTS") else 2)
     cache = PieceCache(
         config.cache_dir,
         config.cache_size,

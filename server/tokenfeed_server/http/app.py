@@ -49,4 +49,7 @@ def allowed_hosts(config: ServerConfig) -> list[str]:
     answers any host (it is reached by many names)."""
     if config.http_allowed_hosts:
         return [h.strip() for h in config.http_allowed_hosts.split(",") if h.strip()]
-    return LOOPBACK_HOSTS if config.is_loopback() else ["*"]
+    if not config.is_loopback():
+        return ["*"]
+    own = config.host if ":" not in config.host else f"[{config.host}]"
+    return sorted({*LOOPBACK_HOSTS, config.host, own})

@@ -372,6 +372,11 @@ class CacheView(_Model):
     """The piece cache of a store in object storage (see `tokenfeed_server.store.cache`)."""
 
     capacity_bytes: int = Field(description="Most bytes the cache may hold (--cache-size).")
+    capacity_effective_bytes: int = Field(
+        default=0,
+        description="The capacity in effect: lower than --cache-size while the disk is "
+        "nearly full (the cache shrinks instead of failing jobs; it grows back).",
+    )
     size_bytes: int = Field(description="Bytes of verified pieces in the cache now.")
     reserved_bytes: int = Field(
         description="Bytes in use or reserved: pieces held, being fetched, or queued; "
@@ -379,6 +384,9 @@ class CacheView(_Model):
     )
     pieces: int = Field(description="Verified pieces in the cache now.")
     fetching: int = Field(description="Pieces being fetched now.")
+    retrying: int = Field(
+        default=0, description="Of those, pieces whose fetch waits for unreachable storage."
+    )
     admission_queue: int = Field(
         description="Requests waiting for room in the cache before their pieces are fetched."
     )
