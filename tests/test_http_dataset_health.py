@@ -141,7 +141,7 @@ class _Store:
         summary = {
             "ok": True, "fingerprint": "f" * 32, "tokens": 10, "documents": 1,
             "dtype": "uint16", "shards": 2,
-            "tokenizer": {"kind": "byte", "vocab_size": 257, "eos_id": 256},
+            "tokenizer": {"kind": "byte", "vocab_size": 257, "eos_id": 256, "hash": "h"},
             "shuffle_seed": 0, "format_version": 2, "created": "2026-01-01T00:00:00+00:00",
         }  # fmt: skip
         return [
