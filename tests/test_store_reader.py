@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from shard_data import BYTE, random_docs, stream
-from tokenfeed.errors import CorruptShard, DatasetNotFound, InvalidDatasetName, ManifestError
+from tokenfeed.errors import (
+    CorruptShard,
+    DatasetNotFound,
+    InvalidDatasetName,
+    ManifestError,
+    StoreError,
+)
 from tokenfeed_server.store import (
     TokenizerInfo,
     list_datasets,
@@ -314,3 +320,22 @@ def test_running_out_of_descriptors_says_ulimit_not_damaged(store: Path) -> None
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.startswith("limit:") and "ulimit -n" in out and "'many'" in out, out
+
+
+def test_symbolic_links_out_of_the_store_are_refused(tmp_path: Path) -> None:
+    elsewhere, store = tmp_path / "elsewhere", tmp_path / "store"
+    write_dataset(elsewhere, "secret", random_docs(10), tokenizer=BYTE, shuffle_seed=0)
+    write_dataset(store, "d", random_docs(10), tokenizer=BYTE, shuffle_seed=0)
+    # a dataset directory linking out of the store (a host directory, anyone's data)
+    (store / "escape").symlink_to(elsewhere / "secret", target_is_directory=True)
+    with pytest.raises(StoreError, match=r"symbolic link out of the store .*refused"):
+        open_dataset(store, "escape")
+    # a link that stays inside the store is fine
+    (store / "alias").symlink_to(store / "d", target_is_directory=True)
+    open_dataset(store, "alias").close()
+    # a shard that is a link (prepare never writes one) is refused, whatever it names
+    shard = next(p for p in (store / "d").iterdir() if p.name.startswith("shard-"))
+    shard.rename(tmp_path / "moved.bin")
+    shard.symlink_to(tmp_path / "moved.bin")
+    with pytest.raises(CorruptShard, match="symbolic link, which is refused"):
+        open_dataset(store, "d")

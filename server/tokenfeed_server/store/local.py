@@ -41,6 +41,7 @@ __all__ = ["LocalDataset", "list_datasets", "open_dataset", "pread_rows"]
 
 _HASH_CHUNK = 1 << 24
 _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _FIX = "re-run tokenfeed-server prepare ... --overwrite to rebuild the dataset"
 
 
@@ -74,10 +75,16 @@ class LocalDataset(Dataset):
         for shard in self.manifest.shards:
             path = self.path / shard.name
             try:
-                fd = os.open(shard.name, _RDONLY, dir_fd=dir_fd)
+                fd = os.open(shard.name, _RDONLY | _NOFOLLOW, dir_fd=dir_fd)
             except FileNotFoundError:
                 raise CorruptShard(f"{path}: shard file is missing; {_FIX}") from None
             except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    # prepare writes files, never links: a link may point anywhere
+                    raise CorruptShard(
+                        f"{path}: the shard is a symbolic link, which is refused (it may "
+                        f"point out of the store); {_FIX}"
+                    ) from None
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
                     # Not a damaged dataset: the server holds one descriptor per shard.
                     raise StoreError(
@@ -304,6 +311,7 @@ def open_dataset(
     """
     validate_dataset_name(name)
     path = Path(store) / name if path is None else Path(path)
+    _check_inside(Path(store), path, name)
     try:
         # One directory descriptor for the manifest and every shard: one open, one build.
         dir_fd = os.open(path, _RDONLY | os.O_DIRECTORY)
@@ -330,9 +338,23 @@ def open_dataset(
     return dataset
 
 
+def _check_inside(store: Path, path: Path, name: str) -> None:
+    """Refuse a dataset directory that is a symbolic link out of the store: serving it
+    would read whatever the link names on the host (a link within the store is fine)."""
+    try:
+        real, root = path.resolve(), store.resolve()
+    except (OSError, RuntimeError):  # a loop of links
+        real, root = Path("/"), store
+    if real != root and root not in real.parents and path.is_symlink():
+        raise StoreError(
+            f"dataset {name!r}: {path} is a symbolic link out of the store (to {real}), "
+            "which is refused; move the dataset into the store, or serve the store it is in"
+        )
+
+
 def _read_manifest(dir_fd: int, manifest_path: Path) -> Manifest:
     try:
-        fd = os.open(MANIFEST_NAME, _RDONLY, dir_fd=dir_fd)
+        fd = os.open(MANIFEST_NAME, _RDONLY | _NOFOLLOW, dir_fd=dir_fd)
         with os.fdopen(fd, "rb") as f:
             text = f.read()
     except OSError as exc:
