@@ -168,10 +168,13 @@ def test_status_shows_the_store_path_to_the_admin_only(tenants: LiveServer, stor
         assert status.status_code == 200
         assert status.json()["config"]["store"] is None
         assert str(store) not in status.text
+        # server-wide figures would let one tenant watch another's activity
+        assert status.json()["counters"] is None and status.json()["connections"] is None
     assert tenants.get("/v1/status", headers=bearer("not-a-token")).status_code == 401
     admin = tenants.get("/v1/status", headers=bearer(ADMIN)).json()
     assert admin["config"]["store"] == str(store)
     assert admin["config"]["auth"] == "tenants"
+    assert isinstance(admin["counters"], dict) and isinstance(admin["connections"], int)
 
 
 def test_metrics_want_the_admin_token_and_health_stays_open(tenants: LiveServer) -> None:

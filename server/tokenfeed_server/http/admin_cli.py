@@ -116,6 +116,11 @@ def _ago(seconds: float | None) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+def _or_admin_only(value: object) -> object:
+    """A figure the server shows only to callers who see everything."""
+    return "(admin only)" if value is None else value
+
+
 def _uptime(seconds: float) -> str:
     s = int(seconds)
     days, s = divmod(s, 86400)
@@ -257,14 +262,15 @@ def render_status(status: dict[str, Any], limits: dict[str, Any]) -> Table:
         ("server", status["server"]),
         ("ready", "yes" if status["ready"] else "no"),
         ("uptime", f"{_uptime(status['uptime_s'])} (since {started:%Y-%m-%d %H:%M:%S} UTC)"),
-        ("connections", status["connections"]),
+        ("connections", _or_admin_only(status["connections"])),
         ("auth", config["auth"] + (" + CURVE" if config["curve"] else "")),
-        ("store", config["store"] if config["store"] is not None else "(admin only)"),
+        ("store", _or_admin_only(config["store"])),
         ("rate cap", f"{cap:,} tokens/s" if cap else "none"),
     ]  # fmt: skip
     rows += [(f"limit {name}", _count(value)) for name, value in limits.items()]
     rows += [
-        (f"events {name}", _count(value)) for name, value in sorted(status["counters"].items())
+        (f"events {name}", _count(value))
+        for name, value in sorted((status["counters"] or {}).items())
     ]
     table = _table("", "")
     table.show_header = False

@@ -423,15 +423,21 @@ class StatusView(_Model):
     ready: bool = Field(description="True while serving.")
     started: float = Field(description="When this server process started (Unix time, seconds).")
     uptime_s: float = Field(description="Seconds since this server process started.")
-    connections: int = Field(description="Data connections attached now.")
-    counters: dict[str, int] = Field(description="Data plane event counts since start.")
+    connections: int | None = Field(
+        description="Data connections attached now (null for a caller who does not see "
+        "every job: a tenant or no token on an authenticated server)."
+    )
+    counters: dict[str, int] | None = Field(
+        description="Data plane event counts since start (null, as connections)."
+    )
     config: ConfigView = Field(description="The settings in effect.")
     cache: CacheView | None = Field(
         default=None, description="The piece cache of an s3:// store; null for a local store."
     )
-    memory: dict[str, int] = Field(
+    memory: dict[str, int] | None = Field(
         default_factory=dict,
-        description="Bytes the server holds by owner: row_buffers, window_blocks, "
+        description="(null, as connections) Bytes the server holds by owner: row_buffers, "
+        "window_blocks, "
         "mixture_tables (store), jobs, connections and ended_jobs (data plane records and "
         "the final views of the last 64 forgotten jobs, estimated).",
     )

@@ -27,24 +27,28 @@ def limits(state: State) -> LimitsView:
 
 @router.get("/v1/status", responses=errors(401))
 def status(state: State, who: Caller) -> StatusView:
-    """Server instance, settings, connection count and counters (the store path: admin)."""
+    """Server instance and settings; the server-wide figures (connections, counters,
+    cache, memory) to callers who see every job; the store path to the admin."""
     snap = state.dataplane.snapshot
     config = dict(state.config.public_view())
     if not who.admin:
         config["store"] = None
         config["cache_dir"] = None
-    cache = state.store.cache
+    # Server-wide figures move with every tenant's work: on an authenticated server a
+    # tenant (or anyone without a token) does not get them, or bob could watch alice.
+    everything = who.sees_all
+    cache = state.store.cache if everything else None
     return StatusView(
         version=__version__,
         server=state.dataplane.instance,
         ready=state.ready,
         started=state.started,
         uptime_s=round(time.time() - state.started, 1),
-        connections=snap["connections"],
-        counters=snap["counters"],
+        connections=snap["connections"] if everything else None,
+        counters=snap["counters"] if everything else None,
         config=ConfigView.model_validate(config),
         cache=CacheView.model_validate(cache.stats()) if cache is not None else None,
-        memory=memory_figures(snap),
+        memory=memory_figures(snap) if everything else None,
     )
 
 

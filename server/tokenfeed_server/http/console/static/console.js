@@ -79,7 +79,7 @@
       ["version", status.version],
       ["uptime", uptime(status.uptime_s)],
       ["ready", status.ready ? "yes" : "no"],
-      ["connections", int(status.connections)],
+      ["connections", status.connections === null ? "(admin only)" : int(status.connections)],
       ["auth", status.config.auth + (status.config.curve ? " + CURVE" : "")],
       ["rate cap", status.config.max_tokens_per_s ? `${short(status.config.max_tokens_per_s)} tokens/s` : "none"],
     ]);
