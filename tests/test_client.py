@@ -339,13 +339,30 @@ def test_another_build_than_expected_is_refused_client_side(
     assert fields["fingerprint"] in str(info.value) and "drop the loader state" in str(info.value)
 
 
-def storage_server(refusals: int, *, retry: bool) -> tuple[str, threading.Event, list[int]]:
-    """A fake server whose first ``refusals`` gets are answered storage_unavailable."""
-    ctx = zmq.Context()
+def _fake_router() -> tuple[
+    zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes], int, protocol.Welcome
+]:
+    """A ROUTER on a free loopback port, and the welcome a fake server answers hello with."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     welcome = protocol.Welcome("fake", "j1", "f" * 32, 10_000, 100, "uint16", 4, 8, 256)
+    return ctx, router, port, welcome
+
+
+def _answer(router: zmq.Socket[bytes], ident: bytes, msg: protocol.Get) -> None:
+    """Answer ``msg`` with rows whose every token is its position."""
+    rows = msg.count * JOB.batch_size
+    tokens = np.full((rows, JOB.seq_len + 1), msg.pos, dtype=np.uint16)
+    ids = np.arange(rows)
+    frames = protocol.chunk_frames(msg.req, tokens, {"window": ids, "epoch": ids * 0})
+    router.send_multipart([ident, *frames])
+
+
+def storage_server(refusals: int, *, retry: bool) -> tuple[str, threading.Event, list[int]]:
+    """A fake server whose first ``refusals`` gets are answered storage_unavailable."""
+    ctx, router, port, welcome = _fake_router()
     stop = threading.Event()
     refused: list[int] = []
 
@@ -362,11 +379,7 @@ def storage_server(refusals: int, *, retry: bool) -> tuple[str, threading.Event,
                 err = protocol.Err("storage_unavailable", "bucket slow", retry, msg.req)
                 router.send_multipart([ident, err.header()])
             elif isinstance(msg, protocol.Get):
-                rows = msg.count * JOB.batch_size
-                tokens = np.full((rows, JOB.seq_len + 1), msg.pos, dtype=np.uint16)
-                ids = np.arange(rows)
-                frames = protocol.chunk_frames(msg.req, tokens, {"window": ids, "epoch": ids * 0})
-                router.send_multipart([ident, *frames])
+                _answer(router, ident, msg)
         router.close(linger=0)
         ctx.term()
 
@@ -404,21 +417,10 @@ def notice_server(
     """A fake server that keeps each get waiting on "object storage" for ``notices_s``,
     telling the client so every 0.2 s (the notice of a server that retries), then answers
     it; with ``on_hello`` it refuses hello so for that long instead."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    welcome = protocol.Welcome("fake", "j1", "f" * 32, 10_000, 100, "uint16", 4, 8, 256)
+    ctx, router, port, welcome = _fake_router()
     stop = threading.Event()
     seen = {"hello": 0, "notices": 0}
     notice = errors.StorageUnavailable.retrying_message(60, "s3://bkt/d/shard-1.bin", "refused")
-
-    def answer(ident: bytes, msg: protocol.Get) -> None:
-        rows = msg.count * JOB.batch_size
-        tokens = np.full((rows, JOB.seq_len + 1), msg.pos, dtype=np.uint16)
-        ids = np.arange(rows)
-        frames = protocol.chunk_frames(msg.req, tokens, {"window": ids, "epoch": ids * 0})
-        router.send_multipart([ident, *frames])
 
     def tell(ident: bytes, req: int) -> None:
         err = protocol.Err("storage_unavailable", notice, True, req)
@@ -432,7 +434,7 @@ def notice_server(
             now = time.monotonic()
             for item in [g for g in gets if g[0] <= now]:
                 gets.remove(item)
-                answer(item[1], item[2])
+                _answer(router, item[1], item[2])
             for _, ident, get in gets:  # about every 0.2 s: still waiting on storage
                 tell(ident, get.req)
             if not router.poll(200):
