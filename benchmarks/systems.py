@@ -4,6 +4,12 @@ Runs inside a fresh trainer process (``bench_loaders.py --child SPEC``), so that
 system's CPU time, memory and start-up are its own. Every system yields the same thing:
 ``input_ids`` and ``labels`` as contiguous int64 ``[batch, seq_len]`` tensors, drawn from
 the same single-shard store, so the consumer loop does identical work for all of them.
+
+The baselines a careful engineer writes (``ram_batch``, ``memmap_pack``) draw one global
+shuffle of the store's ``seq_len + 1``-token windows, as tokenfeed does, and gather a whole
+batch with one fancy index: no Python per sample. The per-sample ones (``ram``,
+``memmap``: a map-style ``Dataset`` and the default collate, as in many tutorials) stay
+for comparison and are labelled so.
 """
 
 from __future__ import annotations
@@ -31,12 +37,108 @@ def shard_region(store: str, dataset: str) -> tuple[Path, int]:
 
 
 def litdata_chunk(i: int, path: str, n: int) -> Iterator[Any]:
-    """litdata ``optimize`` input ``i``: the i-th 16M-token slice of the shard (picklable)."""
+    """litdata ``optimize`` input ``i``: the i-th 16M-token slice of the shard (picklable).
+
+    Yielded as uint16 numpy (litdata's ``no_header_numpy`` format), so its chunks hold two
+    bytes per token like the store, not the four of an int32 tensor.
+    """
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER, shape=(n,))
+    lo = i * (1 << 24)
+    yield np.array(tokens[lo : min(n, lo + (1 << 24))])
+
+
+# -- batched baselines -------------------------------------------------------------------
+
+
+def window_starts(n_tokens: int, seq_len: int, seed: int) -> np.ndarray:
+    """Start offsets of every ``seq_len + 1``-token window (stride ``seq_len``), in one
+    seeded global-shuffle order: each window once per pass, as tokenfeed serves them."""
+    n_windows = (n_tokens - 1) // seq_len
+    order = np.random.default_rng(seed).permutation(n_windows).astype(np.int64)
+    return order * seq_len
+
+
+def gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
+    """The ``[len(starts), seq_len + 1]`` uint16 windows at ``starts``: one fancy index."""
+    return tokens[starts[:, None] + np.arange(seq_len + 1)]
+
+
+def to_xy(windows: np.ndarray) -> dict[str, Any]:
+    """int64 ``input_ids``/``labels`` from ``[B, L+1]`` windows: one conversion each."""
     import torch
 
-    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=64, shape=(n,))
-    lo = i * (1 << 24)
-    yield torch.from_numpy(np.array(tokens[lo : min(n, lo + (1 << 24))]).astype(np.int32))
+    return {
+        "input_ids": torch.from_numpy(windows[:, :-1].astype(np.int64)),
+        "labels": torch.from_numpy(windows[:, 1:].astype(np.int64)),
+    }
+
+
+def _starts_for(order: np.ndarray, first: int, count: int) -> np.ndarray:
+    # Wraps into the next pass when a run asks for more windows than one pass holds.
+    return order[np.arange(first, first + count) % len(order)]
+
+
+def _batched(spec: dict[str, Any], in_ram: bool) -> Iterable[Any]:
+    path, n_tokens = shard_region(spec["store"], spec["dataset"])
+    L, B = spec["seq_len"], spec["batch_size"]
+    order = window_starts(n_tokens, L, spec["seed"])
+    if in_ram:  # the whole array in this process's memory, read once up front
+        tokens = np.fromfile(path, dtype=np.uint16, count=n_tokens, offset=HEADER)
+    else:
+        tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER, shape=(n_tokens,))
+    nw = spec["num_workers"]
+    if nw == 0:
+        return (
+            to_xy(gather(tokens, _starts_for(order, k * B, B), L)) for k in range(spec["batches"])
+        )
+    if in_ram:
+        raise SystemExit("ram_batch runs with num_workers=0 only")
+    return _packed_loader(spec, path, n_tokens, order)
+
+
+def _packed_loader(
+    spec: dict[str, Any], path: Path, n_tokens: int, order: np.ndarray
+) -> Iterator[dict[str, Any]]:
+    """memmap with DataLoader workers: each item is ``batches_per_item`` batches of uint16
+    windows gathered in a worker with one fancy index; the main process splits them and
+    converts each batch to int64 (one item per batch would pay the DataLoader's per-item
+    cost, ~1 ms, on every 128 KB batch)."""
+    from torch.utils.data import DataLoader, Dataset
+
+    L, B, k = spec["seq_len"], spec["batch_size"], spec.get("batches_per_item", 16)
+    per_item = k * B
+
+    class Packs(Dataset[Any]):
+        def __init__(self) -> None:
+            self.tokens: np.ndarray | None = None
+
+        def __len__(self) -> int:
+            return int(spec["batches"] + k - 1) // k
+
+        def __getitem__(self, i: int) -> Any:
+            import torch
+
+            if self.tokens is None:  # mapped once per worker process
+                self.tokens = np.memmap(
+                    path, dtype=np.uint16, mode="r", offset=HEADER, shape=(n_tokens,)
+                )
+            return torch.from_numpy(
+                gather(self.tokens, _starts_for(order, i * per_item, per_item), L)
+            )
+
+    loader = DataLoader(
+        Packs(),
+        batch_size=None,
+        shuffle=False,
+        num_workers=spec["num_workers"],
+        prefetch_factor=spec["prefetch"],
+    )
+    left = spec["batches"]
+    for pack in loader:
+        windows = pack.numpy()
+        for b in range(0, min(len(windows), left * B), B):
+            yield to_xy(windows[b : b + B])
+        left -= len(windows) // B
 
 
 def _windows_dataset(tokens_fn: Any, n_tokens: int, seq_len: int) -> Any:
@@ -117,10 +219,13 @@ def _litdata(spec: dict[str, Any]) -> Iterable[Any]:
     from litdata import StreamingDataLoader, StreamingDataset  # type: ignore[import-not-found]
     from litdata.streaming.item_loader import TokensLoader  # type: ignore[import-not-found]
 
+    # As litdata's LLM pre-training example: TokensLoader(block_size=L + 1), shuffle,
+    # drop_last, StreamingDataLoader (pin_memory off here, as for every system: no GPU).
     ds = StreamingDataset(
         spec["peer_dir"],
         item_loader=TokensLoader(block_size=spec["seq_len"] + 1),
         shuffle=True,
+        drop_last=True,
         seed=spec["seed"],
     )
     loader = StreamingDataLoader(ds, batch_size=spec["batch_size"], num_workers=spec["num_workers"])
@@ -142,17 +247,18 @@ def _streaming(spec: dict[str, Any]) -> Iterable[Any]:
 
 
 def _xy(batches: Iterable[Any], limit: int) -> Iterator[dict[str, Any]]:
-    # Peers hand out [B, L+1] windows; split them as their docs do, and stop at ``limit``.
+    # Peers hand out [B, L+1] uint16 windows: the same conversion as the batched baselines.
     for n, batch in enumerate(batches):
         if n == limit:
             return
         t = batch["t"] if isinstance(batch, dict) else batch
-        t = t.long()
-        yield {"input_ids": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous()}
+        yield to_xy(t.numpy())
 
 
 BUILDERS = {
     "tokenfeed": _tokenfeed,
+    "ram_batch": lambda spec: _batched(spec, in_ram=True),
+    "memmap_pack": lambda spec: _batched(spec, in_ram=False),
     "memmap": lambda spec: _map_style(spec, in_ram=False),
     "ram": lambda spec: _map_style(spec, in_ram=True),
     "litdata": _litdata,
@@ -166,6 +272,21 @@ def _cpu_seconds() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _live_children_cpu() -> float:
+    # Workers a loader keeps alive past the loop (not reaped, so not in RUSAGE_CHILDREN)
+    # still did the loading: count what they used so far.
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +318,12 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     # gc.collect(): with torch loaded a full collection costs ~0.1 s, which would be
     # charged to every system as if it were loading cost.)
     del it, batch, ids
-    cpu = _cpu_seconds() - cpu0
+    # A generator over a DataLoader (litdata, streaming, memmap_pack16 with workers) holds
+    # its DataLoader iterator until closed: close it, so that its workers are joined too.
+    close = getattr(loader, "close", None)
+    if callable(close):
+        close()
+    cpu = _cpu_seconds() - cpu0 + _live_children_cpu()
     ttfb = waits[0]
     steady = t_end - t0 - ttfb
     return {

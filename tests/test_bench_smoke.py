@@ -37,20 +37,33 @@ def test_quick_mode_writes_every_system(tmp_path: Path) -> None:
     systems = result["systems"]
     for name in (
         "tokenfeed nw=0",
+        "ram_batch nw=0",
+        "memmap_pack16 nw=0",
+        "ram per-sample nw=0",
+        "memmap per-sample nw=0",
         "tokenfeed nw=2",
-        "memmap nw=0",
-        "memmap nw=2",
-        "ram nw=0",
-        "ram nw=2",
-        "tokenfeed 4 clients nw=0",
-        "memmap 4 clients nw=0",
-        "ram 4 clients nw=0",
+        "memmap_pack16 nw=2",
+        "ram per-sample nw=2",
+        "memmap per-sample nw=2",
+        "tokenfeed x4",
+        "ram_batch x4",
+        "memmap_pack16 x4",
     ):
-        assert systems[name]["tokens_per_s"] > 0, name
-        assert systems[name]["trainer_pss_mb"] > 0, name
+        s = systems[name]
+        assert s["tokens_per_s"] > 0, name
+        assert s["trainer_anon_mb"] > 0 and s["total_anon_mb"] >= s["trainer_anon_mb"], name
+        assert s["total_cpu_s_per_gtok"] >= s["trainer_cpu_s_per_gtok"] > 0, name
+        assert s["page_cache_mb"] > 0, name  # every system has read the store
+    for name in ("tokenfeed nw=0", "tokenfeed nw=2", "tokenfeed x4"):
+        assert systems[name]["server_cpu_s_per_gtok"] > 0 and systems[name]["server_anon_mb"] > 0
+    for name in ("ram_batch x4", "memmap_pack16 x4"):  # four trainers' memory, summed
+        assert systems[name]["total_anon_mb"] > 3 * systems[name]["trainer_anon_mb"], name
     for peer in ("litdata nw=0", "litdata nw=2", "streaming nw=0", "streaming nw=2"):
         s = systems[peer]
         assert "skipped" in s or s["tokens_per_s"] > 0, peer  # optional extra
+    meta = result["meta"]
+    assert len(meta["load_start"]["loadavg"]) == 3 and meta["cpus"] > 0
+    assert "load average" in (out / "bench_loaders_quick.md").read_text()
     assert set(result["memory_vs_store_size"]) >= {"tokenfeed nw=0", "tokenfeed nw=2"}
     assert (out / "bench_loaders_quick.png").exists()
 
@@ -93,3 +106,41 @@ def test_s3_bench_quick_writes_every_measurement_and_ratio(tmp_path: Path) -> No
     for label, m in result["measurements"].items():
         assert m["tokens_per_s"] > 0, label
     assert set(result["ratios"]) and all(v > 0 for v in result["ratios"].values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("system", "workers"), [("ram_batch", 0), ("memmap_pack", 0), ("memmap_pack", 2)]
+)
+def test_batched_baselines_serve_every_window_once_in_a_seeded_order(
+    tmp_path: Path, system: str, workers: int
+) -> None:
+    # The careful baselines must do the work tokenfeed does (a global-shuffle pass, every
+    # window once, int64 x/y shifted by one), or the comparison would flatter them.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import numpy as np
+
+    from bench_loaders import make_store
+    from systems import BUILDERS, shard_region, window_starts
+
+    store = make_store(tmp_path, 1 << 19)
+    path, n = shard_region(str(store), "bench")
+    tokens = np.fromfile(path, dtype=np.uint16, count=n, offset=64)
+    L, B = 64, 4
+    passes = (n - 1) // L // B
+    spec = {
+        "system": system, "store": str(store), "dataset": "bench", "seq_len": L,
+        "batch_size": B, "batches": passes, "seed": 3, "num_workers": workers,
+        "prefetch": 2, "batches_per_item": 5,
+    }  # fmt: skip
+    batches = list(BUILDERS[system](spec))
+    assert len(batches) == passes
+    x = np.concatenate([b["input_ids"].numpy() for b in batches])
+    y = np.concatenate([b["labels"].numpy() for b in batches])
+    assert x.dtype == y.dtype == np.int64 and x.shape == (passes * B, L)
+    starts = window_starts(n, L, 3)[: passes * B]
+    assert len(set(starts.tolist())) == len(starts)  # no window twice
+    assert not np.array_equal(starts, np.sort(starts))  # shuffled, not in file order
+    want = tokens[starts[:, None] + np.arange(L + 1)].astype(np.int64)
+    np.testing.assert_array_equal(x, want[:, :-1])
+    np.testing.assert_array_equal(y, want[:, 1:])

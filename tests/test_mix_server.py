@@ -139,6 +139,11 @@ class Wire:
         }
         args.update(kw)
         reply, _ = self.ask(protocol.Hello(**args))
+        for _ in range(400):  # a big mixture's tables are built off the loop: ask again
+            if not (isinstance(reply, protocol.Err) and reply.code == "overloaded"):
+                break
+            time.sleep(0.05)
+            reply, _ = self.ask(protocol.Hello(**args))
         return reply
 
     def welcome(self, **kw: Any) -> protocol.Welcome:

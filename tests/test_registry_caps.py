@@ -83,3 +83,24 @@ def test_renames_do_not_grow_a_jobs_resend_record(dataset: Dataset) -> None:
         reg.register_peer(b"conn", "alice", hello, made, 4)
         made.high_water.setdefault(f"name-{i}", {})[0] = i  # what a get would record
     assert len(made.high_water) == 1 and len(reg.by_name) == 1 and len(reg.peers) == 1
+
+
+def test_a_crash_looping_trainer_does_not_lock_itself_out(dataset: Dataset) -> None:
+    """Every launch is a job of its own (a new run id). A trainer that crashes leaves its
+    connections behind, silent: once they time out, its old jobs are idle and make room
+    for the next launch; one that ends cleanly (bye) makes room at once."""
+    reg = Registry(quantum=1000)
+    job(reg, dataset, "launch-0", "alice", attached=True)  # crashed: its connection stays
+    job(reg, dataset, "launch-1", "alice", attached=True)
+    with pytest.raises(ConnectionLimit, match=r"max_jobs_per_tenant=2") as refused:
+        reg.make_room_for_a_job(100, "alice", tenant_cap=2)
+    assert refused.value.retry  # the relaunch waits and asks again
+    silent_since = min(p.last_seen for p in reg.peers.values())
+    reg.expire(silent_since + 61.0, peer_timeout_s=60.0, job_ttl_s=600.0)
+    assert not reg.peers and all(j.ended is not None for j in reg.jobs.values())
+    reg.make_room_for_a_job(100, "alice", tenant_cap=2)  # the crashed launches made room
+    assert "launch-0" not in reg.jobs and "launch-1" in reg.jobs
+    job(reg, dataset, "launch-2", "alice", attached=True)
+    reg.forget_peer(b"launch-2", gone=True)  # a clean end: bye
+    reg.make_room_for_a_job(100, "alice", tenant_cap=2)
+    assert set(reg.jobs) == {"launch-2"}  # the longest idle launch went first

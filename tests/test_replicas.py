@@ -4,12 +4,15 @@ Real ``tokenfeed-server serve`` processes on loopback, a trainer of 2 ranks x 2
 DataLoader workers naming all of them, and the batches compared with a run against a
 single server: with one replica SIGKILLed mid-run, with all of them killed and one
 restarted, with a host name that resolves to two loopback addresses, and with two
-replicas over different builds of the same dataset (refused, never mixed). No test
+replicas over different builds of the same dataset (refused, never mixed); and with a
+replica paused (SIGSTOP) and resumed, whose workers fail over and come back. No test
 asserts a duration: the failover pause is measured in ``benchmarks/bench_replicas.py``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +32,7 @@ from tokenfeed.transport import replicas
 from tokenfeed.transport.client import ClientOptions, FeedClient
 from tokenfeed.transport.replicas import Replicas, parse_endpoints
 from tokenfeed_server.store import write_dataset
+from waiting import wait_until
 
 pytestmark = pytest.mark.network
 
@@ -228,6 +232,17 @@ def test_a_client_counts_its_failovers_and_one_replica_counts_none() -> None:
     assert alone.failovers == 0
 
 
+def test_a_client_away_from_its_own_replica_knows_the_way_back() -> None:
+    replicas = Replicas(["tcp://127.0.0.1:7400", "tcp://127.0.0.2:7400"], slot=1)
+    assert replicas.pick(advance=False) == "tcp://127.0.0.2:7400" and not replicas.away
+    assert replicas.pick(advance=True) == "tcp://127.0.0.1:7400" and replicas.away
+    assert replicas.home() == "tcp://127.0.0.2:7400"
+    replicas.went_home()
+    assert not replicas.away and replicas.returns == 1 and replicas.failovers == 1
+    assert replicas.pick(advance=False) == "tcp://127.0.0.2:7400"  # failover goes on from home
+    assert replicas.pick(advance=True) == "tcp://127.0.0.1:7400"
+
+
 def test_all_killed_and_one_restarted_continues_exactly(
     three: list[LiveServer], reference: Run, store: Path, tmp_path: Path
 ) -> None:
@@ -315,3 +330,67 @@ def test_replicas_over_different_builds_are_refused_never_mixed(
         assert len(got) < len(want)
         assert all(torch.equal(x, y) for x, y in zip(got, want[: len(got)], strict=True))
         assert b.settled_counter("chunks") == 0
+
+
+# -- a replica that comes back gets its workers back ------------------------------------------
+
+
+def job_workers(srv: LiveServer) -> int:
+    """Connections attached to this replica's jobs, as its own snapshot shows them."""
+    return sum(j["workers"] for j in srv.get("/v1/jobs").json() if j["ended"] is None)
+
+
+def epoch_loader(endpoints: str | Sequence[str]) -> TokenFeedLoader:
+    """One rank, two workers (worker 0's own replica is the first, worker 1's the
+    second), one batch per request, one epoch; asking its own replica again every
+    0.2 s once it failed over."""
+    ds = TokenFeedDataset(
+        endpoints, "alpha", seq_len=16, batch_size=2, rank=0, world_size=1, epochs=1,
+        batches_per_item=1, chunk_bytes=1, request_timeout=1.0, deadline=60.0,
+    )  # fmt: skip
+    ds.options = dataclasses.replace(ds.options, return_after=0.2)
+    return TokenFeedLoader(ds, num_workers=WORKERS, pin_memory=False, prefetch=2)
+
+
+def test_a_paused_replica_that_resumes_gets_its_workers_back(store: Path, tmp_path: Path) -> None:
+    with LiveServer(store, log_path=tmp_path / "ref") as single:
+        want = [batch["window_ids"] for batch in epoch_loader(single.zmq)]
+    a = LiveServer(store, log_path=tmp_path / "a").start()
+    b = LiveServer(store, log_path=tmp_path / "b").start()
+    assert a.proc is not None and b.proc is not None
+    ld = epoch_loader([a.zmq, b.zmq])
+    got: list[torch.Tensor] = []
+    phase, moved_to_a, served_back = "spread", False, 0
+    try:
+        for step, batch in enumerate(ld):
+            got.append(batch["window_ids"])
+            if phase == "spread" and step == KILL_AT:
+                both = lambda: job_workers(a) == 1 and job_workers(b) == 1  # noqa: E731
+                wait_until(both, 10.0, "one worker on each replica")
+                b.proc.send_signal(signal.SIGSTOP)  # worker 1's replica stops answering
+                phase = "paused"
+            elif phase == "paused" and ld.failovers >= 1:
+                # worker 1 failed over: both on a (its snapshot is refreshed every 0.5 s)
+                moved_to_a = wait_until(lambda: job_workers(a) == 2, 10.0, "both on a")
+                b.proc.send_signal(signal.SIGCONT)
+                phase = "resumed"
+            elif phase == "resumed":
+                # worker 1 asks b again, goes back at a request boundary and says bye to a
+                if job_workers(a) == 1 and job_workers(b) >= 1:
+                    served_back = batches_served(b)
+                    phase = "back"
+                threading.Event().wait(0.01)  # a training step: the run outlasts the return
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+        try:
+            assert phase == "back", f"the workers never came back (phase {phase})"
+            assert moved_to_a
+            # b serves worker 1 again: its counter moved on after the return
+            assert batches_served(b, at_least=served_back + 1) > served_back
+        finally:
+            a.stop()
+            b.stop()
+    # the epoch, exactly: nothing lost or repeated over the failover and the return
+    assert len(got) == len(want)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert ld.failovers >= 1  # the workers' own counts, totalled in the loader

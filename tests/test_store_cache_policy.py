@@ -20,8 +20,11 @@ from tokenfeed_server.store.cache_policy import (
     FailureMemory,
     PieceEntry,
     Step,
+    amplification_refusal,
     choose_victims,
+    one_row_fits,
     prefetch_step,
+    read_amplification,
     rows_per_request,
 )
 from tokenfeed_server.store.pieces import PieceRef
@@ -145,11 +148,18 @@ def test_failures_are_remembered_for_their_ttl() -> None:
     assert len(memory) == 0
 
 
-def test_rows_per_request_fit_in_half_the_cache() -> None:
+def test_rows_per_request_count_the_pieces_rows_really_need() -> None:
     assert rows_per_request(100, 10, 5, dataset_bytes=100) == UNLIMITED_ROWS
-    # a row of 5 bytes may straddle two 10-byte pieces: 20 bytes; half of 100 holds 2
-    assert rows_per_request(100, 10, 5) == 2
+    # a row of 5 bytes needs 1.4 pieces of 10 on average (not 2): half of 100 holds 3
+    assert rows_per_request(100, 10, 5) == 3
     assert rows_per_request(10, 10, 1000) == 1  # at least one
+    # a block shuffle whose two blocks' pieces fit in half the cache: any number of rows
+    assert rows_per_request(100, 10, 5, span_pieces=5) == UNLIMITED_ROWS
+    assert rows_per_request(100, 10, 5, span_pieces=6) == 3
+    # the issue's figure: a 16.8 MB cache, 1 MiB pieces, rows of 2049 uint16 tokens
+    # admitted one batch of 8 rows per request counting two pieces a row; now 7 rows of
+    # the global shuffle, and a block shuffle's request as many as its blocks allow
+    assert rows_per_request(16_800_000, 1 << 20, 4098) == 7
 
 
 @given(
@@ -157,10 +167,28 @@ def test_rows_per_request_fit_in_half_the_cache() -> None:
     piece=st.integers(1, 1 << 20),
     row=st.integers(1, 1 << 20),
 )
-def test_rows_per_request_never_needs_more_than_half_the_cache(
+def test_rows_per_request_expect_to_fit_in_half_the_cache(
     capacity: int, piece: int, row: int
 ) -> None:
     rows = rows_per_request(capacity, piece, row)
-    worst = rows * (-(-row // piece) + 1) * piece  # each row touching one piece more
+    expected = rows * (1 + (row - 1) / piece) * piece  # distinct pieces on average
     assert rows >= 1
-    assert rows == 1 or worst <= capacity // 2
+    assert rows == 1 or expected <= capacity // 2 + 1e-6 * capacity
+
+
+def test_one_row_must_fit_and_says_which_setting() -> None:
+    assert one_row_fits(2 * 10, 10, 5) is None  # 5 bytes: at most 2 pieces of 10
+    problem = one_row_fits(15, 10, 5)
+    assert problem is not None and "--cache-size=15" in problem
+
+
+def test_read_amplification_of_a_global_shuffle_through_a_small_cache() -> None:
+    assert read_amplification(100, 100, 10, 5) == 1.0  # fits: each piece once
+    # 1 MiB pieces, 4 KiB rows, a cache a third of the dataset: ~170x
+    amp = read_amplification(3 << 30, 1 << 30, 1 << 20, 4096)
+    assert 150 < amp < 200
+    refusal = amplification_refusal("web", 3 << 30, 1 << 30, 1 << 20, 4096)
+    assert refusal is not None
+    for words in ("shuffle='block'", "--cache-size", "allow_read_amplification", "web"):
+        assert words in refusal
+    assert amplification_refusal("web", 1 << 30, 1 << 30, 1 << 20, 4096) is None

@@ -301,16 +301,24 @@ def test_open_sees_one_build_when_overwritten_between_manifest_and_shards(
 
 
 def test_running_out_of_descriptors_says_ulimit_not_damaged(store: Path) -> None:
-    """The server keeps one descriptor per shard: past the process limit the error names
-    the limit to raise, and does not call a sound dataset damaged."""
+    """Shard files are opened on demand into a bounded set: a dataset of more shards than
+    the process may open is read whole; a bound set above the process limit fails with
+    an error naming the setting and the limit, not calling a sound dataset damaged."""
     write_dataset(store, "many", random_docs(80), tokenizer=BYTE, shuffle_seed=0, shard_tokens=20)
     script = (
         "import resource, sys\n"
+        "import numpy as np\n"
         "from tokenfeed.errors import CorruptShard, StoreError\n"
         "from tokenfeed_server.store import open_dataset\n"
+        "from tokenfeed_server.store.handles import HANDLES\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))\n"
+        "HANDLES.configure(0)\n"
+        f"ds = open_dataset({str(store)!r}, 'many')\n"
+        "ds.read(0, ds.n_tokens); ds.verify_checksums()\n"
+        "print('read', len(ds.manifest.shards), HANDLES.stats()['open'], HANDLES.limit)\n"
+        "HANDLES.configure(64)\n"
         "try:\n"
-        f"    open_dataset({str(store)!r}, 'many')\n"
+        "    ds.gather(ds.bounds[:-1], 1)\n"
         "except CorruptShard as exc:\n"
         "    print('damaged:', exc)\n"
         "except StoreError as exc:\n"
@@ -319,7 +327,10 @@ def test_running_out_of_descriptors_says_ulimit_not_damaged(store: Path) -> None
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     ).stdout
-    assert out.startswith("limit:") and "ulimit -n" in out and "'many'" in out, out
+    read, limit = out.splitlines()
+    _, shards, held, bound = read.split()
+    assert int(shards) > 48 and int(held) <= int(bound) == 16, out
+    assert limit.startswith("limit:") and "ulimit -n" in limit and "--max-open-shards" in limit
 
 
 def test_symbolic_links_out_of_the_store_are_refused(tmp_path: Path) -> None:

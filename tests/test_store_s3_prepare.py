@@ -127,30 +127,42 @@ def test_prepare_into_s3_equals_a_local_prepare(s3: S3Server, tmp_path: Path) ->
     local = Manifest.from_json((tmp_path / "local" / "d" / MANIFEST_NAME).read_text())
     remote = _published(s3, "team/v1", "d")
     assert len(local.shards) > 3
-    # layout: the manifest, its version object, the store's catalog, and one
-    # content-addressed object per distinct shard, nothing else
+    # layout: the manifest, its version object, the store's catalog, the sidecar of piece
+    # digests (content-addressed) and one content-addressed object per distinct shard,
+    # nothing else
+    assert remote.format_version == 3 and local.format_version == 3
+    assert re.fullmatch(r"pieces-[0-9a-f]{32}\.bin", remote.pieces_file)
     names = {s.name for s in remote.shards}
     assert set(_keys(s3)) == {
         "team/v1/d/manifest.json",
         f"team/v1/d/versions/{remote.fingerprint}.json",
         "team/v1/_tokenfeed/catalog.json",
+        f"team/v1/d/{remote.pieces_file}",
     } | {f"team/v1/d/{n}" for n in names}
-    for shard in remote.shards:
+    # the digests of both, read back by hand (boto3 and the local file)
+    sidecar = _get(s3, f"team/v1/d/{remote.pieces_file}")
+    assert sidecar == (tmp_path / "local" / "d" / local.pieces_file).read_bytes()
+    remote.attach_pieces(lambda: sidecar, "the published sidecar")
+    local_sidecar = (tmp_path / "local" / "d" / local.pieces_file).read_bytes()
+    local.attach_pieces(lambda: local_sidecar, "the local sidecar")
+    for k, shard in enumerate(remote.shards):
         assert re.fullmatch(r"shard-[0-9a-f]{32}\.bin", shard.name)
-        assert shard.name == f"shard-{shard_content_id(remote.piece_bytes, shard.pieces)}.bin"
+        pieces = remote.shard_pieces(k)
+        assert shard.name == f"shard-{shard_content_id(remote.piece_bytes, pieces)}.bin"
     # the same dataset: same fingerprint, counts, checksums, and byte-identical shards
     assert remote.fingerprint == local.fingerprint
     assert (remote.total_tokens, remote.documents) == (local.total_tokens, local.documents)
-    for mine, theirs in zip(remote.shards, local.shards, strict=True):
-        assert (mine.tokens, mine.documents, mine.checksum, mine.pieces) == (
+    pairs = zip(remote.shards, local.shards, strict=True)
+    for k, (mine, theirs) in enumerate(pairs):
+        assert (mine.tokens, mine.documents, mine.checksum, remote.shard_pieces(k)) == (
             theirs.tokens,
             theirs.documents,
             theirs.checksum,
-            theirs.pieces,
+            local.shard_pieces(k),
         )
         data = _get(s3, f"team/v1/d/{mine.name}")
         assert data == (tmp_path / "local" / "d" / theirs.name).read_bytes()
-        assert _digests(data, remote.piece_bytes) == list(mine.pieces)
+        assert _digests(data, remote.piece_bytes) == list(remote.shard_pieces(k))
 
 
 def test_extra_files_are_content_addressed(s3: S3Server, tmp_path: Path) -> None:
@@ -213,6 +225,7 @@ def test_overwrite_keeps_old_shards_until_gc(
     assert new.fingerprint != old.fingerprint
     referenced = {f"p/d/{s.name}" for s in new.shards} | {"p/d/manifest.json"}
     referenced |= {f"p/d/versions/{new.fingerprint}.json", "p/_tokenfeed/catalog.json"}
+    referenced |= {f"p/d/{new.pieces_file}"}  # its sidecar of piece digests
     assert set(_keys(s3)) == first | referenced  # every old shard is still there
     assert f"p/d/versions/{old.fingerprint}.json" in first  # and the old version
     unreferenced = set(_keys(s3)) - referenced
@@ -310,6 +323,7 @@ def test_gc_grace_counts_from_the_manifest(s3: S3Server, tmp_path: Path) -> None
         "p/d/manifest.json",
         f"p/d/versions/{new.fingerprint}.json",
         "p/_tokenfeed/catalog.json",
+        f"p/d/{new.pieces_file}",
     }
 
 
@@ -342,8 +356,8 @@ def test_interrupted_publish_leaves_no_dataset(s3: S3Server, tmp_path: Path) -> 
     assert _keys(s3) == []
     # and a retry publishes the whole dataset
     published = publish_dataset(tmp_path / "l" / "d", store, "d")
-    # its shards, its manifest and its version object
-    assert len(_keys(s3, "p/d/")) == len({s.name for s in published.shards}) + 2
+    # its shards, its sidecar of piece digests, its manifest and its version object
+    assert len(_keys(s3, "p/d/")) == len({s.name for s in published.shards}) + 3
 
 
 def test_endpoint_dying_mid_publish(

@@ -53,7 +53,7 @@ def test_exists_and_overwrite(store: Path) -> None:
     np.testing.assert_array_equal(old.read(0, old.n_tokens), old_view)
     assert sorted(os.listdir(store)) == ["_tokenfeed", "d"]
     kept = local_version_dir(store, "d", old.fingerprint)
-    assert sorted(os.listdir(kept)) == ["manifest.json", "shard-000000.bin"]
+    assert sorted(os.listdir(kept)) == ["manifest.json", "pieces.bin", "shard-000000.bin"]
     assert sorted(os.listdir(kept.parent)) == [old.fingerprint]
 
 
@@ -79,7 +79,8 @@ def test_list_ignores_temp_dirs_and_cleans_unlocked_ones(store: Path) -> None:
 def test_nothing_of_the_writer_is_published(store: Path) -> None:
     write_dataset(store, "d", random_docs(2), tokenizer=BYTE, shuffle_seed=0)
     write_dataset(store, "d", random_docs(3), tokenizer=BYTE, shuffle_seed=0, overwrite=True)
-    assert sorted(p.name for p in (store / "d").iterdir()) == ["manifest.json", "shard-000000.bin"]
+    names = sorted(p.name for p in (store / "d").iterdir())
+    assert names == ["manifest.json", "pieces.bin", "shard-000000.bin"]
     assert sorted(os.listdir(store)) == ["_tokenfeed", "d"]  # the old version, kept
 
 

@@ -173,6 +173,17 @@ class Mixture:
             object.__setattr__(self, "_tables", tables)
         return tables
 
+    @property
+    def tables_built(self) -> bool:
+        """True once the locate tables exist (built by :meth:`build_tables` or on first
+        use by :meth:`locate` and :meth:`counts`)."""
+        return self._tables is not None
+
+    def build_tables(self) -> None:
+        """Build the locate tables now, on the calling thread (a server builds them off
+        its serving thread: a large schedule's take up to seconds); no-op once built."""
+        self._built()
+
     def locate(self, positions: npt.ArrayLike) -> tuple[IntArray, IntArray]:
         """Stream positions to ``(source, source_position)``, int64 of ``positions``' shape.
 

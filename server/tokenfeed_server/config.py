@@ -277,8 +277,39 @@ class ServerConfig(BaseModel):
     job_ttl_s: float = Field(
         default=600.0, gt=0, description="forget a job with no connection after this many seconds"
     )
+    hello_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="close a data connection that has not said hello this many seconds "
+        "after it was accepted",
+    )
+    max_unattached_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="data connections open at once that have not said hello; more are "
+        "closed at once",
+    )
     verify_checksums: bool = Field(
         default=False, description="hash every shard at start-up (slow on big stores)"
+    )
+    max_open_shards: int = Field(
+        default=0,
+        ge=0,
+        description="shard files of local datasets open at once; the least recently used "
+        "is closed to open another (0: 1024, or a quarter of the open-file limit if lower)",
+    )
+    ring_door: str = Field(
+        default="auto",
+        min_length=1,
+        description="Unix socket where trainers on this host fetch their shared-memory "
+        "rings ('auto': in a private temporary directory; a path: e.g. on a volume shared "
+        "with trainer containers; 'off': every chunk over TCP)",
+    )
+    ring_size: Annotated[int, BeforeValidator(as_size)] = Field(
+        default=8 << 20,
+        ge=1 << 20,
+        description="bytes of one connection's shared-memory ring (memory of the trainer's "
+        "and the server's, once written; a chunk that does not fit goes over TCP)",
     )
     log_level: LogLevel = Field(default="info", description="log level")
     tenants_file: Annotated[Path | None, Spelling(flag="--tenants")] = Field(

@@ -164,7 +164,12 @@ def _print_versions(store: Path | ObjectStore, name: str, current: str) -> None:
 def _format_line(m: Manifest) -> str:
     if m.format_version < 2:
         return f"version {m.format_version} (no piece checksums: re-prepare to publish to s3://)"
-    return f"version {m.format_version}, pieces of {m.piece_bytes:,} bytes"
+    if m.format_version == 2:
+        return f"version 2, pieces of {m.piece_bytes:,} bytes (digests in the manifest)"
+    return (
+        f"version {m.format_version}, pieces of {m.piece_bytes:,} bytes (digests in the "
+        f"sidecar {m.pieces_file}, read on demand)"
+    )
 
 
 def _conclude(report: VerifyReport, *, contents: str | None, fix: str) -> int:
@@ -194,11 +199,11 @@ def _inspect_local(path: Path, args: argparse.Namespace) -> int:
     from tokenfeed_server.store.format import MANIFEST_NAME
     from tokenfeed_server.store.verify import Finding, verify_local
 
-    refused: CorruptShard | None = None
+    refused: CorruptShard | ManifestError | None = None
     try:
         with open_dataset(path.parent, path.name) as ds:
             manifest = ds.manifest
-    except CorruptShard as exc:  # listed with every other finding below
+    except (CorruptShard, ManifestError) as exc:  # listed with every other finding below
         refused = exc
         try:
             manifest = Manifest.from_json((path / MANIFEST_NAME).read_bytes())

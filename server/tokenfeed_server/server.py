@@ -29,9 +29,16 @@ from tokenfeed_server.dataplane import security
 from tokenfeed_server.dataplane.auth import Tenants
 from tokenfeed_server.dataplane.plane import DataPlane
 from tokenfeed_server.http.app import create_app
-from tokenfeed_server.http.guard import MAX_HEADER_BYTES, guarded_h11
+from tokenfeed_server.http.guard import (
+    MAX_HEADER_BYTES,
+    FdReserve,
+    guarded_h11,
+    quiet_accept_errors,
+    reserved_listener,
+)
 from tokenfeed_server.http.state import ServerState
 from tokenfeed_server.store import Store, memory
+from tokenfeed_server.store.handles import HANDLES
 from tokenfeed_server.store.health_check import HealthCheck
 from tokenfeed_server.store.leases import LeaseKeeper
 from tokenfeed_server.store.objects import S3Location
@@ -43,6 +50,7 @@ def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; return the process exit status."""
     log.info("tokenfeed-server starting: %s", json.dumps(config.public_view()))
     _raise_open_file_limit()
+    HANDLES.configure(config.max_open_shards)  # after the limit: 0 derives from it
     tenants = security.tenants_for(config)
     # before any thread starts (the cache's fetch threads): arenas are made per thread
     memory.limit_malloc_arenas(config.memory.malloc_arenas)
@@ -193,6 +201,8 @@ def _serve_http(
     scheme = "https" if config.tls_cert_file is not None else "http"
     http_url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     state = ServerState(config, store, dataplane, tenants)
+    reserve = FdReserve()  # answers /healthz at the descriptor limit (see http/guard.py)
+    listener = reserved_listener(http_sock, reserve)
     uv = uvicorn.Server(
         uvicorn.Config(
             create_app(state),
@@ -200,7 +210,9 @@ def _serve_http(
             log_level=config.log_level,
             access_log=False,
             lifespan="off",
-            http=guarded_h11(config.http_header_timeout_s, config.http_max_connections),
+            http=guarded_h11(
+                config.http_header_timeout_s, config.http_max_connections, reserve
+            ),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             ssl_certfile=config.tls_cert_file,
             ssl_keyfile=config.tls_key_file,
@@ -212,7 +224,8 @@ def _serve_http(
         signal.signal(sig, lambda signum, frame: None)
 
     async def run() -> None:
-        task = asyncio.create_task(uv.serve(sockets=[http_sock]))
+        quiet_accept_errors(asyncio.get_running_loop())
+        task = asyncio.create_task(uv.serve(sockets=[listener]))
         while not uv.started and not task.done():
             await asyncio.sleep(0.005)
         if uv.started:
@@ -227,6 +240,7 @@ def _serve_http(
     try:
         asyncio.run(run())
     finally:
+        listener.close()
         state.ready = False
         log.info("tokenfeed-server stopped")
     return 0
@@ -247,8 +261,8 @@ def _bind_http(host: str, port: int) -> socket.socket:
 
 
 def _raise_open_file_limit() -> None:
-    """Lift the soft limit on open files to the hard one: the store keeps one descriptor
-    per shard, and a big store would pass the usual soft limit of 1024."""
+    """Lift the soft limit on open files to the hard one: room for connections, dataset
+    directories and ``--max-open-shards`` shard files past the usual soft limit of 1024."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         try:

@@ -105,6 +105,26 @@ is empty or 1-128 characters of letters, digits, ``.``, ``_``, ``:`` or ``-``
 (:data:`RUN_ID`), starting with a letter or digit. An empty ``run`` (a client from before
 run ids, or one that has none) names the job exactly as before: same inputs, same job.
 ``run`` changes no token: a get's answer is a function of the job's inputs without it.
+``allow_read_amplification`` on ``hello`` (default false, left out) accepts what a server
+refuses otherwise: a global shuffle of a dataset in object storage whose cache cannot
+hold it, which fetches a whole piece for nearly every row (the refusal gives the figures
+and the fixes: ``shuffle="block"``, or a cache that fits).
+``skipped`` on ``hello`` lists the stream ranges the run skipped on purpose at a resume
+(``[position, samples]`` pairs from its state, the latest 1024 at most): the server shows
+them on the job's page; they are not part of the job's key and change no token.
+
+Rings
+-----
+A client on the server's own host may ask for a shared-memory ring (``hello.ring``);
+a server that offers rings answers with ``welcome.ring_door`` (the path of its ring
+door, a Unix socket) and ``welcome.ring_key`` (64 hex digits). The client connects to
+the door, sends the key's first half and gets back ``ok`` plus the key's second half
+(proof that this is the server's door) with the ring's descriptor (``SCM_RIGHTS``).
+From then on a ``chunk`` whose ``ring_offset`` is not 0 carries an empty token frame:
+its tokens are in the ring at that byte offset; the client copies them out and writes
+``ring_end`` into the ring's ``released`` word. The layout and flow control are in
+``tokenfeed_server.dataplane.rings``. A ring changes no token: the same chunk over TCP
+is byte for byte the same.
 
 Progress
 --------
@@ -144,8 +164,13 @@ Evolution
   with ``run`` (``bad_request``: "unexpected fields ['run']"). The client then says hello
   again without it, once per client, with a warning: ``run`` only names the job (its
   bookkeeping), never what is served, so an older server serves the same tokens and the
-  run shares its job with identical runs, as every run did before. No other field may
-  be dropped this way.
+  run shares its job with identical runs, as every run did before. **hello.skipped**
+  (the ranges a run skipped on purpose, for the job's page) is dropped the same way,
+  for the same reason: it is bookkeeping, never part of what is served.
+  **hello.allow_read_amplification** is dropped the same way: a server from before it
+  never refused read amplification, so without it that server serves what the trainer
+  asked for, the same tokens. **hello.ring** is dropped the same way: a server from
+  before rings sends every chunk over TCP. No other field may be dropped this way.
 * **Provenance rows** are named: a receiver reads the rows it knows and ignores the
   others (extra per-row metadata cannot change the tokens it gets), so a new row such
   as a mixture's ``source`` is added without touching old clients.

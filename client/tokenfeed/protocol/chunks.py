@@ -18,26 +18,35 @@ from tokenfeed.protocol.bounds import MAX_PROVENANCE_ROWS
 from tokenfeed.protocol.messages import Chunk
 
 
-def chunk_frames(req: int, tokens: np.ndarray, provenance: Mapping[str, np.ndarray]) -> list[Any]:
+def chunk_frames(
+    req: int,
+    tokens: np.ndarray,
+    provenance: Mapping[str, np.ndarray],
+    ring: tuple[int, int] | None = None,
+) -> list[Any]:
     """The frames of a ``chunk``: header, tokens, provenance rows; sent zero-copy.
 
     ``provenance`` maps row names (:data:`ROW_WINDOW`, :data:`ROW_EPOCH`, ...) to one
-    integer per token row.
+    integer per token row. ``ring``: the tokens were put in the connection's
+    shared-memory ring at ``(offset, end)`` (see "Rings"): the token frame is empty.
     """
     names = tuple(provenance)
+    offset, end = ring or (0, 0)
     header = Chunk(
         req=req,
         rows=tokens.shape[0],
         cols=tokens.shape[1],
         dtype=_wire_dtype_name(tokens.dtype),
         provenance=names,
+        ring_offset=offset,
+        ring_end=end,
     ).header()
     # One preallocated frame filled row by row: np.stack + astype cost twice as much on
     # the server's per-chunk path (benchmarks/bench_loaders.py).
     rows = np.empty((len(names), tokens.shape[0]), dtype="<i8")
     for i, name in enumerate(names):
         rows[i] = provenance[name]
-    return [header, np.ascontiguousarray(tokens), rows]
+    return [header, b"" if ring else np.ascontiguousarray(tokens), rows]
 
 
 @functools.lru_cache(maxsize=8)

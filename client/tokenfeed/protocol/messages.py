@@ -90,6 +90,11 @@ class Hello(Message):
     ``dataset`` and ``fingerprint`` (see "Mixtures" in the module docstring); ``shuffle``
     and the block sizes choose the order (see "Shuffle"). ``run``, when not empty, is
     the launch's run id: it names the job together with the other fields (see "Runs").
+    ``skipped``, when not empty, is the stream ranges the run skipped on purpose at a
+    resume (``[(position, samples), ...]``, from its state): shown on the job's page,
+    never part of the job's key or what is served. ``allow_read_amplification``: serve
+    a global shuffle of a remote dataset through a cache smaller than it (refused
+    without it: see "Read amplification"); it changes no token.
     """
 
     TYPE: ClassVar[str] = "hello"
@@ -110,10 +115,15 @@ class Hello(Message):
     region_windows: int = 0
     block_regions: int = 0
     run: str = ""
+    skipped: tuple[tuple[int, ...], ...] = ()
+    allow_read_amplification: bool = False
+    #: ask for a shared-memory ring (the client runs on the server's host; see "Rings")
+    ring: bool = False
 
     def __post_init__(self) -> None:
         _tuples(self, "sources", "fingerprints")
         object.__setattr__(self, "schedule", tuple(tuple(row) for row in self.schedule))
+        object.__setattr__(self, "skipped", tuple(tuple(row) for row in self.skipped))
 
     def check(self) -> None:
         """Mixture and shuffle fields agree with each other (see the module docstring)."""
@@ -121,6 +131,11 @@ class Hello(Message):
             raise ProtocolError(
                 f"hello.run: invalid run id {brief(self.run)!r}: use 1-128 characters of "
                 "letters, digits, '.', '_', ':' or '-', starting with a letter or digit"
+            )
+        if any(len(r) != 2 or min(r) < 0 for r in self.skipped):
+            raise ProtocolError(
+                "hello.skipped must be [position, samples] pairs of non-negative integers, "
+                f"got {brief([list(r) for r in self.skipped])}"
             )
         if self.shuffle not in SHUFFLES:
             raise ProtocolError(
@@ -188,6 +203,11 @@ class Welcome(Message):
     source_windows: tuple[int, ...] = ()
     source_region_windows: tuple[int, ...] = ()
     source_block_regions: tuple[int, ...] = ()
+    #: where and how to fetch this connection's ring (only when the hello asked for one
+    #: and the server offers rings): the ring door's Unix socket path, and 64 hex digits:
+    #: the nonce the client sends (first half), the proof the door answers (second half)
+    ring_door: str = ""
+    ring_key: str = ""
 
     def __post_init__(self) -> None:
         _tuples(self, *_SOURCE_FIELDS)
@@ -229,6 +249,10 @@ class Chunk(Message):
     cols: int
     dtype: str
     provenance: tuple[str, ...]
+    #: tokens in the connection's ring instead of a frame: their byte offset in the ring,
+    #: and the count the client writes as released once it copied them out (0: no ring)
+    ring_offset: int = 0
+    ring_end: int = 0
 
 
 @dataclass(frozen=True)

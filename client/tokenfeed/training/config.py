@@ -82,6 +82,7 @@ class DatasetConfig:
     region_windows: int | None = None
     block_regions: int | None = None
     run: str | None = None
+    allow_read_amplification: bool = False
 
     def __post_init__(self) -> None:
         # Each derived value checks its own arguments; touching them here refuses a bad
@@ -164,6 +165,7 @@ class DatasetConfig:
             deadline=self.deadline,
             token=self.token if self.token is not None else os.environ.get("TOKENFEED_TOKEN"),
             server_public_key=self.server_public_key,
+            allow_read_amplification=self.allow_read_amplification,
         )
 
 

@@ -8,6 +8,9 @@ descriptor): the loader writes the position it has handed out, and every message
 carries it (``get``, ``bye``) reads it and notes it as reported, so the loader knows when
 nothing has carried the latest value and reports it itself.
 
+The same shared memory brings each worker's replica failovers back to the loader (one
+slot per worker, written by that worker only): ``TokenFeedLoader.failovers``.
+
 Slots are read and written whole (aligned int64, one machine word): no lock is needed,
 and a stale read only delays a report, it never reports more than was consumed.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 __all__ = ["ConsumedCounter"]
 
-_CONSUMED, _REPORTED = 0, 1
+_CONSUMED, _REPORTED, _FAILOVERS = 0, 1, 2
 
 
 class ConsumedCounter:
@@ -30,8 +33,19 @@ class ConsumedCounter:
     memory): hold it on a dataset only while a DataLoader starts its workers.
     """
 
-    def __init__(self, position: int) -> None:
-        self._slots: Any = multiprocessing.sharedctypes.RawArray("q", [position, -1])
+    def __init__(self, position: int, workers: int = 1) -> None:
+        slots = [position, -1] + [0] * max(1, workers)
+        self._slots: Any = multiprocessing.sharedctypes.RawArray("q", slots)
+
+    def note_failovers(self, worker: int, failovers: int) -> None:
+        """Worker ``worker``'s client has failed over ``failovers`` times in this loop."""
+        if 0 <= worker < len(self._slots) - _FAILOVERS:
+            self._slots[_FAILOVERS + worker] = failovers
+
+    @property
+    def failovers(self) -> int:
+        """Failovers of every worker's client in this loop, as they noted them."""
+        return int(sum(self._slots[_FAILOVERS:]))
 
     @property
     def position(self) -> int:

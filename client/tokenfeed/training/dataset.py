@@ -108,6 +108,9 @@ class TokenFeedDataset(IterableDataset[Batch]):
             rendezvous id, else a fresh one (one rank); see
             :func:`~tokenfeed.training.config.launch_run_id`. Saved in the resume state:
             a resumed run re-attaches to its own job.
+        allow_read_amplification: accept a global shuffle of a dataset in object storage
+            whose server cache cannot hold it (refused otherwise, with the bytes it
+            would fetch per byte served; ``shuffle="block"`` is the usual fix).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         region_windows: int | None = None,
         block_regions: int | None = None,
         run: str | None = None,
+        allow_read_amplification: bool = False,
     ) -> None:
         super().__init__()
         config = DatasetConfig(
@@ -160,6 +164,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             region_windows=region_windows,
             block_regions=block_regions,
             run=run,
+            allow_read_amplification=allow_read_amplification,
         )
         self._adopt(config)
 
@@ -263,6 +268,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             source_fingerprints=self.source_fingerprints,
             consumed=self._take_consumed,
             stop=stop,
+            skipped=self.skipped,
         )
 
     def read_at(self, position: int, count: int = 1, *, run: str | None = None) -> Answer:
@@ -423,7 +429,11 @@ class TokenFeedDataset(IterableDataset[Batch]):
             itemsize = DTYPES[welcome.dtype].itemsize
             batch_bytes = self.job.batch_size * (self.job.seq_len + 1) * itemsize
             per_chunk = max(1, min(welcome.max_count, self.options.chunk_bytes // batch_bytes))
-            yield from client.stream(pack_requests(steps(), start, self.global_batch, per_chunk))
+            requests = pack_requests(steps(), start, self.global_batch, per_chunk)
+            for answer in client.stream(requests):
+                if self.consumed is not None:  # the loader totals its workers' failovers
+                    self.consumed.note_failovers(worker, client.replicas.failovers)
+                yield answer
 
     def _steps_left(self, start: int, n_windows: int) -> int | None:
         if self.epochs is not None:

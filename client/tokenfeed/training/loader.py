@@ -93,11 +93,23 @@ class TokenFeedLoader:
             raise ConfigError(f"report_after must be > 0 seconds or None, got {report_after!r}")
         self.report_after = report_after
         self.position = dataset.position
+        self._failovers = 0  # of the loops that ended; the running one's are shared
+        self._counter: ConsumedCounter | None = None  # the running loop's
+
+    @property
+    def failovers(self) -> int:
+        """Times the clients of this loader's workers moved to another replica because
+        theirs stopped answering, over every ``iter()`` of this loader so far (the
+        client's side of failover counting; each server counts its own arrivals in
+        ``clients_resumed``). Counted as each worker's batches arrive."""
+        running = self._counter
+        return self._failovers + (running.failovers if running is not None else 0)
 
     def __iter__(self) -> Iterator[Batch]:
         self.dataset.position = self.position
         # Made before the workers start, so that they inherit it with the dataset.
-        consumed = self.dataset.consumed = ConsumedCounter(self.position)
+        consumed = self.dataset.consumed = ConsumedCounter(self.position, self.num_workers)
+        self._counter = consumed
         reporter: _Reporter | None = None
         step = self.dataset.global_batch
         try:
@@ -121,7 +133,8 @@ class TokenFeedLoader:
                 reporter.stop()
             if consumed.unreported:  # e.g. workers that ended before the last batches did
                 self.dataset.report_consumed()
-            self.dataset.consumed = None
+            self._failovers += consumed.failovers
+            self._counter = self.dataset.consumed = None
 
     def _source(self) -> BackgroundBatches | WorkerBatches:
         if self.num_workers == 0:

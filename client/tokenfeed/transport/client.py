@@ -59,6 +59,7 @@ from tokenfeed.protocol import JobSpec
 from tokenfeed.transport.answer import Answer, answer_of
 from tokenfeed.transport.connection import Connection, Stopped
 from tokenfeed.transport.handshake import Attempts
+from tokenfeed.transport.homing import HomeProbe
 from tokenfeed.transport.options import ClientOptions
 from tokenfeed.transport.replicas import Replicas
 from tokenfeed.transport.retry import Backoff
@@ -73,6 +74,10 @@ log = logging.getLogger("tokenfeed")
 #: How a server from before run ids refuses ``hello.run`` (its decoder's words, fixed in
 #: those releases): "hello: unexpected fields ['run']; the peer speaks a newer protocol..."
 _RUN_REFUSED = "hello: unexpected fields ['run']"
+#: How a server from before skipped ranges refuses ``hello.skipped``: the same words,
+#: naming it among the fields it does not know (a server from before run ids names both)
+_UNEXPECTED, _SKIPPED = "hello: unexpected fields [", "'skipped'"
+_AMPLIFICATION = "'allow_read_amplification'"
 #: Seconds between two warnings that the server waits on its object storage.
 STORAGE_WARN_EVERY_S = 30.0
 
@@ -102,6 +107,8 @@ class FeedClient:
         stop: when set (by another thread), every wait of ``hello`` and ``stream``
             gives up within a tenth of a second by raising :class:`Stopped`, so a
             receiver thread can be stopped while the server is gone.
+        skipped: the stream ranges the run skipped on purpose (``(position, samples)``,
+            from its state), told to the server on ``hello`` for the job's page.
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class FeedClient:
         source_fingerprints: Mapping[str, str] | None = None,
         consumed: Callable[[], int] | None = None,
         stop: threading.Event | None = None,
+        skipped: Sequence[tuple[int, int]] = (),
     ) -> None:
         # Checked before any socket exists: nothing to clean up when it is wrong.
         spread = rank * num_workers + worker
@@ -139,6 +147,8 @@ class FeedClient:
         self._consumed = consumed
         #: the socket in use, opened afresh on every attempt
         self.connection = Connection(self.replicas.endpoints[0], self.options, stop)
+        # after a failover: asks this client's own replica again, to go back to it
+        self._home = HomeProbe(self.replicas, self.options, stop)
         # one id sequence per client: a late answer to an abandoned stream never matches
         self._ids = itertools.count()
         # Unique per client object and kept across reconnects: the server replaces the
@@ -146,6 +156,10 @@ class FeedClient:
         self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}:{id(self):x}"
         #: False once a server from before run ids refused ``hello.run``
         self._send_run = True
+        #: False once a server from before it refused ``hello.allow_read_amplification``
+        self._send_amplification = True
+        # the latest ranges only: a list on the wire holds at most MAX_ITEMS
+        self._skipped = tuple(tuple(r) for r in skipped)[-protocol.MAX_ITEMS :]
         self._storage_warned = -STORAGE_WARN_EVERY_S  # when the last such warning went
 
     @property
@@ -165,6 +179,7 @@ class FeedClient:
         except zmq.ZMQError:
             pass  # the bye is a courtesy; the socket is closed either way
         finally:
+            self._home.drop()
             self.connection.terminate()
 
     def __enter__(self) -> FeedClient:
@@ -250,6 +265,9 @@ class FeedClient:
             region_windows=self.job.region_windows,
             block_regions=self.job.block_regions,
             run=self.job.run if self._send_run else "",
+            skipped=self._skipped,
+            allow_read_amplification=self.options.allow_read_amplification
+            and self._send_amplification,
         )
 
     def _older_server(self, hello: protocol.Hello, err: protocol.Err) -> bool:
@@ -257,6 +275,8 @@ class FeedClient:
         then on this client leaves the run id out (see "Evolution" in
         :mod:`tokenfeed.protocol`: the one field a client drops on refusal, since it names
         the job and never changes a token)."""
+        if self._older_skipped(hello, err) or self._older_amplification(hello, err):
+            return True
         if not (hello.run and err.code == "bad_request" and _RUN_REFUSED in err.message):
             return False
         self._send_run = False
@@ -265,6 +285,46 @@ class FeedClient:
             "shares its job with runs of the same dataset, seed and shapes, as before run "
             "ids; the data served is the same. Upgrade tokenfeed-server to give every "
             "launch its own job",
+            self.endpoint,
+        )
+        return True
+
+    def _older_skipped(self, hello: protocol.Hello, err: protocol.Err) -> bool:
+        """True when ``err`` is a server from before skipped ranges refusing
+        ``hello.skipped``; the ranges are left out from then on (they are for the job's
+        page only, never part of what is served). A server from before run ids refuses
+        both fields: the run id is then dropped at its own refusal, next."""
+        if not (
+            hello.skipped
+            and err.code == "bad_request"
+            and err.message.startswith(_UNEXPECTED)
+            and _SKIPPED in err.message.split("]", 1)[0]
+        ):
+            return False
+        self._skipped = ()
+        log.warning(
+            "the server at %s is older than skipped ranges (it refused hello.skipped): "
+            "its job page will not show the steps this run skipped; the data served is "
+            "the same. Upgrade tokenfeed-server to see them",
+            self.endpoint,
+        )
+        return True
+
+    def _older_amplification(self, hello: protocol.Hello, err: protocol.Err) -> bool:
+        """True when ``err`` is a server from before ``hello.allow_read_amplification``
+        refusing it; left out from then on (such a server never refused read
+        amplification: it serves what was asked, the same tokens)."""
+        if not (
+            hello.allow_read_amplification
+            and err.code == "bad_request"
+            and err.message.startswith(_UNEXPECTED)
+            and _AMPLIFICATION in err.message.split("]", 1)[0]
+        ):
+            return False
+        self._send_amplification = False
+        log.info(
+            "the server at %s is older than allow_read_amplification (it refused the "
+            "field); it never refused read amplification, so the data served is the same",
             self.endpoint,
         )
         return True
@@ -413,8 +473,10 @@ class FeedClient:
         last_progress = time.monotonic()
         while True:
             welcome = self._current()
-            for rid, req in flow.to_send(min(opts.window, welcome.window), welcome.max_count):
-                self._send_get(rid, req)
+            if not self._going_home(flow):
+                welcome = self._current()
+                for rid, req in flow.to_send(min(opts.window, welcome.window), welcome.max_count):
+                    self._send_get(rid, req)
             if flow.finished:
                 return
             answer = flow.pop_ready()
@@ -444,6 +506,7 @@ class FeedClient:
     ) -> None:
         """After silence or a refusal mid-stream: raise, or hello again (Lazy Pirate)."""
         opts = self.options
+        self._home.drop()  # the replica in use failed: going home starts over
         if isinstance(msg, protocol.Err):
             # unknown_job: the server restarted and forgot us; hello again (below)
             if not msg.retry and msg.code != "unknown_job":
@@ -465,6 +528,30 @@ class FeedClient:
             self.connection.sleep(backoff.next())
         # Silence: the next replica; a refusal or a restarted server: the same one.
         self.hello(deadline_at=last_progress + opts.deadline, failover=msg is None)
+
+    def _going_home(self, flow: RequestWindow[Answer]) -> bool:
+        """After a failover: True while the client drains the replica in use to go back
+        to its own one, which answered its probe (no new requests meanwhile); once
+        nothing is in flight, switch (bye here, the rest of the stream there)."""
+        if not self.replicas.several:
+            return False
+        welcome = self._home.poll(self._hello_message, self.endpoint)
+        if welcome is None:
+            return False
+        if flow.in_flight:
+            return True  # a request boundary first: take what was asked here
+        old, self.connection = self.connection, self._home.take()
+        try:
+            old.close(protocol.Bye(consumed=self._consumed_position()))
+        except zmq.ZMQError:
+            pass  # the bye is a courtesy; the socket is closed either way
+        finally:
+            old.terminate()
+        self.replicas.went_home()
+        log.info("back on %s, this client's own replica, after a failover", self.endpoint)
+        self._accept(welcome)
+        flow.reconnected(welcome.max_count)
+        return False
 
     def _storage_wait(self, err: protocol.Err) -> float:
         """For a retryable ``storage_unavailable``: log what the trainer waits for (at

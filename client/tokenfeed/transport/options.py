@@ -21,8 +21,14 @@ class ClientOptions:
     deadline: float = 120.0
     #: log a warning after this many seconds without an answer (then keep trying)
     warn_after: float = 5.0
+    #: after a failover, ask this client's own replica again every this many seconds,
+    #: and go back to it once it answers (see :mod:`tokenfeed.transport.homing`)
+    return_after: float = 5.0
     token: str | None = field(default=None, repr=False)  # a secret: never in a repr or log
     server_public_key: str | None = None
+    #: accept a global shuffle of a remote dataset through a cache smaller than it
+    #: (the server refuses it otherwise, giving the read amplification it would cost)
+    allow_read_amplification: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("window", 1), ("chunk_bytes", 1)):
@@ -34,7 +40,7 @@ class ClientOptions:
         ):
             # never echo the token: it is a secret even when malformed
             raise ConfigError(f"token must be {TOKEN_RULE}; this one is not")
-        for name in ("request_timeout", "deadline", "warn_after"):
+        for name in ("request_timeout", "deadline", "warn_after", "return_after"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")

@@ -16,6 +16,12 @@ Spread and failover are one rule, with no shared state: attempt ``i`` of the cli
 slot ``s`` goes to address ``(s + i) mod n`` of the list resolved at that moment. The
 slot is ``rank * num_workers + worker``, so the workers of a job start evenly over the
 replicas, and each failover moves to the next one.
+
+Address ``s mod n`` is the client's own replica (:meth:`Replicas.home`). A client that
+failed over away from it asks it again every ``return_after`` seconds, on a socket of its
+own while the stream goes on elsewhere; once it answers, the client goes back to it at a
+request boundary (:mod:`tokenfeed.transport.homing`), so a replica that was paused or
+restarted gets its workers back and the load is spread again.
 """
 
 from __future__ import annotations
@@ -99,12 +105,15 @@ class Replicas:
         self.endpoints = parse_endpoints(endpoints)
         if slot < 0:
             raise ConfigError(f"slot must be >= 0, got {slot}")
+        self._slot = slot
         self._turn = slot
         #: the latest resolution (empty until :meth:`pick` or :meth:`resolve` ran)
         self.last = Resolved((), {}, {})
         #: times this client moved on to another replica (the one tried last failed);
         #: the client's side of failover counting (``FeedClient.replicas.failovers``)
         self.failovers = 0
+        #: times this client went back to its own replica after a failover
+        self.returns = 0
 
     def resolve(self) -> Resolved:
         """Resolve every endpoint now: addresses in the given order of the endpoints,
@@ -138,6 +147,27 @@ class Replicas:
         if advance and len(addresses) > 1:  # one replica: a reconnect, not a failover
             self.failovers += 1
         return addresses[self._turn % len(addresses)] if addresses else None
+
+    @property
+    def away(self) -> bool:
+        """True when this client's turn is not its own replica (it failed over), as of
+        the latest resolution."""
+        n = len(self.last.addresses)
+        return n > 1 and self._turn % n != self._slot % n
+
+    def home(self) -> str | None:
+        """This client's own replica, address ``slot mod n`` resolved now (None: nothing
+        resolves). Resolving does not move the turn: :meth:`pick` goes on as before."""
+        addresses = self.resolve().addresses
+        return addresses[self._slot % len(addresses)] if addresses else None
+
+    def went_home(self) -> None:
+        """The client moved back to its own replica: the turn is that replica's again
+        (failover goes on from there), and the return is counted."""
+        n = len(self.last.addresses)
+        if n:
+            self._turn += (self._slot - self._turn) % n
+        self.returns += 1
 
     @property
     def several(self) -> bool:

@@ -8,6 +8,7 @@ it (:mod:`tokenfeed_server.dataplane.plane`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -27,13 +28,15 @@ from tokenfeed.errors import (
 from tokenfeed.protocol import JobSpec
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane.auth import Tenants
+from tokenfeed_server.dataplane.cache_fit import check_remote_cache, remote_rows
 from tokenfeed_server.dataplane.jobs import Job, job_id
 from tokenfeed_server.dataplane.registry import Registry
+from tokenfeed_server.dataplane.rings import Rings
 from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store import Dataset, Store, wire_error
 from tokenfeed_server.store.mixing import Feed, open_feed
+from tokenfeed_server.store.mixture_tables import shared_mixtures, table_rows
 from tokenfeed_server.store.pinned import VersionGone, VersionOpening
-from tokenfeed_server.store.remote import RemoteDataset
 
 __all__ = ["Admission"]
 
@@ -55,8 +58,10 @@ class Admission:
         tenants: Tenants | None,
         instance: str,
         log_budget: LogBudget,
+        rings: Rings | None = None,
     ) -> None:
         self.config = config
+        self.rings = rings
         self.store = store
         self.registry = registry
         self.tenants = tenants
@@ -66,9 +71,17 @@ class Admission:
     def hello(self, ident: bytes, tenant: str, msg: protocol.Hello) -> protocol.Welcome:
         """Admit connection ``ident`` of ``tenant`` to the job ``msg`` names."""
         window = self._authorize(ident, tenant, msg)
-        job = self._resolve_job(tenant, msg)
+        job, feed = self._resolve_job(tenant, msg)
+        if msg.skipped:  # a resumed run's skipped ranges (every client sends the same)
+            job.skipped = msg.skipped
         self.registry.register_peer(ident, tenant, msg, job, window)
-        return _welcome(job, server=self.instance, window=window)
+        if job.feed.closed is not None:  # it closed (now or before): it reads again
+            job.feed = feed
+        welcome = _welcome(job, server=self.instance, window=window)
+        if msg.ring and self.rings is not None:  # a trainer on this host: offer a ring
+            door, key = self.rings.offer(ident, msg.client)
+            welcome = dataclasses.replace(welcome, ring_door=door, ring_key=key)
+        return welcome
 
     def _authorize(self, ident: bytes, tenant: str, msg: protocol.Hello) -> int:
         """Check the tenant may read the dataset, the request fits the limits, and a
@@ -115,8 +128,9 @@ class Admission:
                 "use fewer DataLoader workers or ranks, or ask the operator for more",
             )
 
-    def _resolve_job(self, tenant: str, msg: protocol.Hello) -> Job:
-        """The job these inputs name, created on first sight; its datasets from memory.
+    def _resolve_job(self, tenant: str, msg: protocol.Hello) -> tuple[Job, Feed]:
+        """The job these inputs name, created on first sight, and the feed the hello
+        opened (its tables ready); its datasets from memory.
 
         The run id is one of the inputs: every launch is a job of its own, and a resumed
         run (its state carries the id) re-attaches to its own job.
@@ -129,37 +143,64 @@ class Admission:
         it, the current one when it pins none: a job reads the build it started on until
         it ends, whatever was published since, and its job id stays the same.
         """
-        names = msg.sources or (msg.dataset,)
-        # a mixture's hello pins each source (none: an older client's, or a new job)
-        pins = tuple(msg.fingerprints) if msg.sources else (msg.fingerprint,)
-        datasets = [
-            self._dataset(tenant, name, pins[i] if i < len(pins) else "", bool(msg.sources))
-            for i, name in enumerate(names)
-        ]
-        feed = open_feed(datasets, msg)
+        feed = open_feed(self._datasets(tenant, msg), msg)
         spec = _job_spec(msg, feed)
         jid = job_id(spec, feed, tenant)
         job = self.registry.jobs.get(jid)
         if job is not None:
+            _tables_ready(feed)  # built unless the job closed and let its tables go
             if not self.registry.has_peers(jid):
                 # Nobody attached: the trainer starts again (a restart from a checkpoint
                 # joins the same job id), so its old consumed position says nothing. The
                 # rate keeps its samples: it reads a fall as 0, and the loader's own
                 # end-of-loop report (a hello of its own) must not zero a live rate.
                 job.consumed = -1
-            return job
+            return job, feed
         max_count = _max_count(self.config, msg, feed)
+        check_remote_cache(msg, feed)
         limits = self.config.limits
         own_cap = self.tenants.max_jobs(tenant) if self.tenants is not None else None
         self.registry.make_room_for_a_job(
             limits.max_jobs, tenant, own_cap or limits.max_jobs_per_tenant
         )
+        _tables_ready(feed)  # after the caps: a refused job never builds tables
         weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
         job = Job(jid, spec, feed, tenant, weight=weight, max_count=max_count)
         self.registry.add_job(job)
         if self._log_budget.take():
             log.info("job %s: %s (tenant %s, run %s)", jid, spec, tenant, spec.run or "-")
-        return job
+        return job, feed
+
+    def _datasets(self, tenant: str, msg: protocol.Hello) -> list[Dataset]:
+        """The datasets the hello names, each in the version it pins: a mixture's as a
+        whole. Every source is looked up before anything is refused, so one answer
+        covers them all: the first source that cannot be served refuses the whole job,
+        named, and sources still being opened (off the loop) are all asked for at once
+        and refused retryably together, never one per round trip."""
+        names = msg.sources or (msg.dataset,)
+        # a mixture's hello pins each source (none: an older client's, or a new job)
+        pins = tuple(msg.fingerprints) if msg.sources else (msg.fingerprint,)
+        if not msg.sources:
+            return [self._dataset(tenant, names[0], pins[0], False)]
+        datasets: list[Dataset] = []
+        opening: list[str] = []
+        for i, name in enumerate(names):
+            try:
+                datasets.append(self._dataset(tenant, name, pins[i] if i < len(pins) else "", True))
+            except StorageUnavailable as exc:
+                if not exc.retry:
+                    raise _whole(name, len(names), exc) from None
+                opening.append(name)
+            except ServerError as exc:
+                raise _whole(name, len(names), exc) from None
+        if opening:
+            raise StorageUnavailable(
+                f"mixture sources {opening} (of {len(names)}) are being opened or their "
+                "storage does not answer yet; the job is admitted once all are: ask again "
+                "shortly",
+                retry=True,
+            )
+        return datasets
 
     def _dataset(self, tenant: str, name: str, fingerprint: str, source: bool) -> Dataset:
         """Version ``fingerprint`` of dataset ``name`` (``source``: of a mixture)."""
@@ -195,6 +236,28 @@ class Admission:
             ) from None
 
 
+def _whole(name: str, sources: int, exc: ServerError) -> ServerError:
+    """``exc`` of mixture source ``name``, said as the refusal of the whole mixture."""
+    message = str(exc)
+    if not message.startswith("mixture source"):
+        message = f"mixture source {name!r}: {message}"
+    message += f" (the mixture of {sources} sources is not admitted: no source is read)"
+    return ServerError.from_code(exc.code, message, retry=exc.retry, quiet=exc.quiet)
+
+
+def _tables_ready(feed: Feed) -> None:
+    """Refuse retryably while ``feed``'s mixture tables are built off the loop (see
+    :meth:`~tokenfeed_server.store.mixture_tables.SharedMixtures.ready`)."""
+    if feed.mixture is not None and not shared_mixtures.ready(feed.mixture):
+        raise ServerError(
+            f"the tables of this mixture ({table_rows(feed.mixture)} rows) are being built "
+            "for it; ask again shortly",
+            retry=True,
+            code="overloaded",
+            quiet=True,
+        )
+
+
 def _job_spec(msg: protocol.Hello, feed: Feed) -> JobSpec:
     """The job's key inputs: the hello's, with a mixture's schedule as the feed reduced it."""
     schedule = feed.mixture.to_wire() if feed.mixture is not None else ()
@@ -226,16 +289,7 @@ def _max_count(config: ServerConfig, msg: protocol.Hello, feed: Feed) -> int:
         )
     chunk = min(config.chunk_bytes, limits.max_chunk_bytes)
     max_count = min(chunk // batch_bytes, _MAX_ROWS_PER_CHUNK // msg.batch_size)
-    row_bytes = (msg.seq_len + 1) * itemsize
-    remote = [s.dataset for s in feed.sources if isinstance(s.dataset, RemoteDataset)]
-    # every remote source of a mixture together: one request reads from all of them
-    remote_bytes = sum(ds.nbytes for ds in remote)
-    for ds in remote:
-        # A request's pieces must fit in the cache at once (else CacheTooSmall);
-        # clients split requests by max_count, so the batches do not change.
-        rows = ds.cache.rows_per_request(ds.piece_bytes, row_bytes, remote_bytes)
-        max_count = min(max_count, rows // msg.batch_size)
-    return max(1, max_count)
+    return max(1, min(max_count, remote_rows(msg, feed) // msg.batch_size))
 
 
 def _welcome(job: Job, *, server: str, window: int) -> protocol.Welcome:

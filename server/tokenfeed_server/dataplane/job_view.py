@@ -48,6 +48,8 @@ def job_view(job: Job, now: float, *, workers: int, queued: int) -> dict[str, An
         "requests": job.requests,
         "batches_served": job.batches,
         "tokens_served": job.tokens,
+        "bytes_fetched": job.fetched_bytes,
+        "fetched_per_served": _fetched_per_served(job),
         "tokens_per_s": round(served_rate, 1),
         "position": job.position,
         "epoch": job.position // windows,
@@ -63,6 +65,7 @@ def job_view(job: Job, now: float, *, workers: int, queued: int) -> dict[str, An
         "forgotten": False,
         "resumed_at": job.resumed_at,
         "resumed_clients": job.resumed_clients,
+        "skipped": [list(r) for r in job.skipped],
         **job.feed.describe(job.position, job.consumed),
     }
 
@@ -111,6 +114,12 @@ class EndedJobs:
         return sys.getsizeof(self._kept) + sum(
             size + each + sys.getsizeof(jid) for jid, (_, _, size) in self._kept.items()
         )
+
+
+def _fetched_per_served(job: Job) -> float | None:
+    """Bytes fetched from object storage per byte served (None before any is served)."""
+    served = job.tokens * job.feed.first.dataset.dtype.itemsize
+    return round(job.fetched_bytes / served, 3) if served else None
 
 
 def _deep_size(obj: object) -> int:

@@ -52,6 +52,11 @@ class Job:
     #: clients (workers) whose first request here came from a training loop already past
     #: position 0: failovers from another replica, mostly (see dataplane.gets)
     resumed_clients: int = 0
+    #: bytes the piece cache fetched from object storage for this job's reads and plan
+    fetched_bytes: int = 0
+    #: stream ranges the run skipped on purpose at a resume, ``(position, samples)``, as
+    #: its clients' hello says (from the run's state); shown on the page, never served
+    skipped: tuple[tuple[int, ...], ...] = ()
     last_active: float = field(default_factory=time.monotonic)
     # client name -> (rank -> highest position asked): a client re-asking at or below its
     # own mark is re-sending (Lazy Pirate after silence or a restart)

@@ -36,11 +36,15 @@ from tokenfeed_server.dataplane.gets import accept_get
 from tokenfeed_server.dataplane.registry import Registry
 from tokenfeed_server.dataplane.scheduler import TokenBucket
 from tokenfeed_server.dataplane.serving import Serving
+from tokenfeed_server.dataplane.rings import open_rings
 from tokenfeed_server.dataplane.snapshot import EMPTY_SNAPSHOT, make_snapshot
+from tokenfeed_server.dataplane.unattached import Unattached
 from tokenfeed_server.dataplane.wire import Wire, tenant_of
 from tokenfeed_server.logbudget import LogBudget
 from tokenfeed_server.store import Store
+from tokenfeed_server.store.mixture_tables import shared_mixtures
 from tokenfeed_server.store.prefetch import Prefetcher
+from tokenfeed_server.store.redact import Redactor
 
 __all__ = ["DataPlane"]
 
@@ -78,6 +82,8 @@ class DataPlane:
         self._configure_socket = configure_socket
         self._bucket = TokenBucket(config.max_tokens_per_s)
         self._log_budget = LogBudget()
+        #: shared-memory rings of connections on this host (see dataplane/rings.py)
+        self.rings = open_rings(config.ring_door, config.ring_size)
         self._admission = Admission(
             config,
             store,
@@ -85,6 +91,7 @@ class DataPlane:
             tenants=tenants,
             instance=self.instance,
             log_budget=self._log_budget,
+            rings=self.rings,
         )
         self._prefetcher = (
             Prefetcher(store.cache, **config.cache.prefetch_options())
@@ -96,6 +103,7 @@ class DataPlane:
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
         self._last_snapshot = 0.0
+        self._unattached: Unattached | None = None  # made with the socket, in its thread
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -161,10 +169,16 @@ class DataPlane:
             log.exception("data plane crashed")
             raise
         finally:
+            if self._unattached is not None:
+                sock.disable_monitor()
+                self._unattached.close()
             sock.close(linger=0)
+            self.rings.close()
 
     def _loop(self, sock: zmq.Socket[bytes]) -> None:
-        wire = Wire(sock, self.registry, self.counters, self._log_budget)
+        wire = Wire(
+            sock, self.registry, self.counters, self._log_budget, Redactor.for_store(self.store)
+        )
         serving = Serving(
             wire,
             self.registry,
@@ -172,9 +186,18 @@ class DataPlane:
             bucket=self._bucket,
             counters=self.counters,
             log_budget=self._log_budget,
+            rings=self.rings,
         )
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        unattached = self._unattached = Unattached(
+            sock,
+            max_count=self.config.max_unattached_connections,
+            timeout_s=self.config.hello_timeout_s,
+            counters=self.counters,
+            log_budget=self._log_budget,
+        )
+        poller.register(unattached.monitor, zmq.POLLIN)
         if self.store.cache is not None:  # readable when parked requests' pieces are in
             poller.register(self.store.cache.wake_fd, zmq.POLLIN)
         queue = self.registry.queue
@@ -185,6 +208,7 @@ class DataPlane:
             ready = poller.poll(wait)
             started = time.perf_counter()  # the turn's busy time: everyone else waits it
             if ready:
+                unattached.events()  # before the messages: a hello then finds its fd
                 self._drain(sock, wire)
             serving.unpark()
             queue.serve_round(lambda jid, item: serving.serve(jid, *item), self._bucket.ready)
@@ -225,6 +249,8 @@ class DataPlane:
             accept_get(self.registry, ident, tenant, msg, self.counters)
         elif isinstance(msg, protocol.Hello):
             wire.send(ident, [self._admission.hello(ident, tenant, msg).header()])
+            if self._unattached is not None:
+                self._unattached.attach(int(frames[0].get(zmq.SRCFD)))
         elif isinstance(msg, protocol.Ping):
             wire.send(ident, [protocol.Pong().header()])
         elif isinstance(msg, protocol.Bye):
@@ -247,6 +273,9 @@ class DataPlane:
         self.registry.expire(
             now, peer_timeout_s=self.config.peer_timeout_s, job_ttl_s=self.config.job_ttl_s
         )
+        if self._unattached is not None:
+            self._unattached.expire(now)
+        self.rings.sweep(self.registry.peers)  # a forgotten connection's ring goes now
         snap = make_snapshot(
             self.registry,
             now,
@@ -255,4 +284,7 @@ class DataPlane:
             counters=self.counters,
         )
         snap["loop"] = self.busy.view()
+        snap["unattached"] = self._unattached.count if self._unattached is not None else 0
+        snap["rings"] = {"open": len(self.rings), "handed": self.rings.handed}
+        snap["counters"].update(shared_mixtures.counters())  # where tables were built
         self.snapshot = snap  # published whole: the HTTP side never sees it half made

@@ -15,6 +15,7 @@ from tokenfeed.errors import ConnectionLimit
 from tokenfeed_server.dataplane.job_view import EndedJobs
 from tokenfeed_server.dataplane.jobs import Job, Peer
 from tokenfeed_server.dataplane.scheduler import FairQueue
+from tokenfeed_server.store.mixture_tables import shared_mixtures
 
 __all__ = ["QueuedGet", "Registry"]
 
@@ -138,6 +139,9 @@ class Registry:
             job.high_water.pop(peer.name, None)
             if not self.has_peers(job.id):  # its last connection is done: the run ended
                 job.ended = time.time()
+                # its record stays (counters, until forgotten), its memory goes now: the
+                # mixture's tables with the last running job of that mixture
+                job.feed = job.feed.closed_feed(job.position, job.consumed)
         if peer.queued:
             self.queue.discard(job.id, lambda item: item[0] == ident)
 
@@ -145,7 +149,9 @@ class Registry:
 
     def expire(self, now: float, *, peer_timeout_s: float, job_ttl_s: float) -> None:
         """Forget connections silent for ``peer_timeout_s`` and jobs with no connection,
-        nothing queued and no activity for ``job_ttl_s``."""
+        nothing queued and no activity for ``job_ttl_s``; let go of mixture tables built
+        for hellos that a job now holds or nobody came back for."""
+        shared_mixtures.sweep(now)
         for ident, peer in list(self.peers.items()):
             if now - peer.last_seen > peer_timeout_s:
                 self.forget_peer(ident, gone=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from tokenfeed import protocol
 from tokenfeed.errors import ServerError, StorageUnavailable, StoreError
 from tokenfeed_server.dataplane.registry import Registry
+from tokenfeed_server.dataplane.rings import Rings
 from tokenfeed_server.dataplane.scheduler import TokenBucket
 from tokenfeed_server.dataplane.wire import Wire
 from tokenfeed_server.logbudget import LogBudget
@@ -66,8 +67,10 @@ class Serving:
         bucket: TokenBucket,
         counters: collections.Counter[str],
         log_budget: LogBudget,
+        rings: Rings | None = None,
     ) -> None:
         self.wire = wire
+        self.rings = rings
         self.registry = registry
         self.cache = cache
         self.bucket = bucket
@@ -96,6 +99,8 @@ class Serving:
         if peer is None:
             return 0  # the peer was dropped while this waited: nothing to send
         peer.queued -= 1
+        if self.cache is not None:  # what this read makes the cache fetch is the job's
+            self.cache.ledger.owner = jid
         try:
             tokens, rows = job.feed.assemble(req.rank, req.pos, count=req.count, stride=req.stride)
         except NotResident as exc:  # nothing read; answered once the pieces are in
@@ -112,8 +117,13 @@ class Serving:
             message = "the server could not read the dataset; the operator should check its log"
             self.wire.send_error(ident, ServerError(message, retry=True), req=req.req)
             return 0
-        if not self.wire.send(ident, protocol.chunk_frames(req.req, tokens, rows)):
+        # A trainer on this host with room in its ring gets the tokens there (the header
+        # and provenance still over ZeroMQ, in order with everything else); else TCP.
+        ring = self.rings.put(ident, tokens) if self.rings is not None else None
+        if not self.wire.send(ident, protocol.chunk_frames(req.req, tokens, rows, ring)):
             return 0
+        if ring is not None:
+            self.counters["ring_chunks"] += 1
         job.batches += req.count
         job.tokens += tokens.size
         end = req.pos + (req.count - 1) * req.stride * job.plan.global_batch
@@ -153,6 +163,7 @@ class Serving:
         if now - self._last_sweep >= _SWEEP_EVERY_S:
             self._last_sweep = now
             self._sweep(cache, now)
+            self._charge_fetches(cache)
         if not self._parked:
             return
         waiting = []
@@ -201,6 +212,14 @@ class Serving:
         self.counters["storage_notices"] += 1
         notice = StorageUnavailable(fault.notice(now), retry=True)
         self.wire.send_error(item.ident, notice, req=item.req.req)
+
+    def _charge_fetches(self, cache: PieceCache) -> None:
+        """Add the bytes the cache fetched for each job since the last call to it."""
+        jobs = self.registry.jobs
+        for jid, nbytes in cache.take_fetched().items():
+            job = jobs.get(jid)
+            if job is not None:
+                job.fetched_bytes += nbytes
 
     def _sweep(self, cache: PieceCache, now: float) -> None:
         """Release the pins of requests whose connection or job is gone (a reconnected

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -32,7 +33,10 @@ class Wire:
         registry: Registry,
         counters: collections.Counter[str],
         log_budget: LogBudget,
+        redact: Callable[[str], str] = str,
     ) -> None:
+        #: applied to every error message sent (no store location, no endpoint URL)
+        self.redact = redact
         self.sock = sock
         self.registry = registry
         self.counters = counters
@@ -64,7 +68,8 @@ class Wire:
 
     def send_error(self, ident: bytes, error: ServerError, *, req: int) -> None:
         """Answer request ``req`` of connection ``ident`` with ``err``."""
-        err = protocol.Err(code=error.code, message=str(error), retry=error.retry, req=req)
+        message = self.redact(str(error))
+        err = protocol.Err(code=error.code, message=message, retry=error.retry, req=req)
         self.send(ident, [err.header()])
 
 

@@ -141,10 +141,11 @@ def render_jobs(jobs: list[dict[str, Any]]) -> Table:
     """One row per job: who, what (KIND: one dataset, or a mixture with each source's
     weight at the served position), the run and plan, and how far its training loop is
     (CONSUMED, EPOCH, EPOCH %, TOKENS/S are the trainer's; SERVED is what the server sent,
-    the loader's prefetch). A job that ended says so in LAST REQUEST; a forgotten one's
-    counters are final."""
+    the loader's prefetch). SKIPPED: the global steps the run skipped on purpose at a
+    resume (after a loss spike). A job that ended says so in LAST REQUEST; a forgotten
+    one's counters are final."""
     table = _table(
-        "TENANT", "DATASET", "KIND", "RUN", "SEQ", "BATCH", "WORLD", "SEED", "WORKERS",
+        "TENANT", "DATASET", "KIND", "RUN", "SKIPPED", "SEQ", "BATCH", "WORLD", "SEED", "WORKERS",
         "CONSUMED", "SERVED", "EPOCH", "EPOCH %", "TOKENS/S", "RETRANSMITS", "LAST REQUEST",
         "JOB",
         right=("SEQ", "BATCH", "WORLD", "SEED", "WORKERS", "CONSUMED", "SERVED", "EPOCH",
@@ -157,7 +158,8 @@ def render_jobs(jobs: list[dict[str, Any]]) -> Table:
         table.add_row(
             *_cells(
                 job["tenant"], job["dataset"], _kind(job), job.get("run") or "-",
-                job["seq_len"], job["batch_size"], job["world_size"], job["seed"],
+                skipped_steps(job), job["seq_len"], job["batch_size"], job["world_size"],
+                job["seed"],
                 job["workers"], "-" if at is None else _count(at), _count(job["position"]),
                 "-" if epoch is None else epoch, done, f"{job['consumed_tokens_per_s']:,.0f}",
                 _count(job["retransmits"]), _last(job), job["id"],
@@ -174,6 +176,17 @@ def _kind(job: dict[str, Any]) -> str:
     total = sum(weights.values()) or 1
     shares = ", ".join(f"{n} {100 * weights.get(n, 0) / total:.0f}%" for n in job["sources"])
     return f"mixture({shares})"
+
+
+def skipped_steps(job: dict[str, Any]) -> str:
+    """The global steps a run skipped on purpose (``2-3, 9``), or ``-``; a server from
+    before skipped ranges sends none."""
+    step = job["batch_size"] * job["world_size"]
+    out = []
+    for at, n in job.get("skipped") or ():
+        first, last = at // step, (at + n - 1) // step
+        out.append(str(first) if first == last else f"{first}-{last}")
+    return ", ".join(out) or "-"
 
 
 def _last(job: dict[str, Any], now: float | None = None) -> str:

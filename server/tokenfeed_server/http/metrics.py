@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from tokenfeed_server.http.dataset_health import DatasetEntry
 from tokenfeed_server.http.routes.status import memory_figures
 from tokenfeed_server.http.state import ServerState
+from tokenfeed_server.store.handles import HANDLES
 from tokenfeed_server.store.health import FaultKind, StorageHealth
 
 __all__ = ["PROMETHEUS_CONTENT_TYPE", "SnapshotCollector", "exposition"]
@@ -73,12 +74,30 @@ class SnapshotCollector(Collector):
         for owner, value in memory_figures(snap).items():
             held.add_metric([owner], value)
         yield held
+        yield from _handle_metrics(HANDLES.stats())
         cache = self.state.store.cache
         if cache is not None:
             yield from _cache_metrics(cache.stats())
         yield from _storage_metrics(
             cache.health if cache is not None else None, self.state.dataset_health.entries()
         )
+
+
+def _handle_metrics(stats: dict[str, int]) -> Iterator[Metric]:
+    """Local shard files held open (bounded by --max-open-shards), opened and closed."""
+    yield GaugeMetricFamily(
+        "tokenfeed_open_shard_files", "Shard files of local datasets open now",
+        value=stats["open"],
+    )  # fmt: skip
+    yield GaugeMetricFamily(
+        "tokenfeed_max_open_shards", "Bound on open shard files", value=stats["limit"]
+    )
+    events = CounterMetricFamily(
+        "tokenfeed_shard_files", "Shard files opened, and closed to make room", labels=["event"]
+    )
+    events.add_metric(["opened"], stats["opens"])
+    events.add_metric(["evicted"], stats["evictions"])
+    yield events
 
 
 def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
@@ -110,8 +129,21 @@ def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
         "Recent rate of input tokens the trainer consumed (seq_len per window)",
         labels=labels,
     )
+    fetched = CounterMetricFamily(
+        "tokenfeed_job_bytes_fetched",
+        "Bytes fetched from object storage for the job (per byte served: read amplification)",
+        labels=labels,
+    )
+    amplification = GaugeMetricFamily(
+        "tokenfeed_job_fetched_per_served",
+        "Bytes fetched from object storage per byte served (absent before any is served)",
+        labels=labels,
+    )
     for job in jobs:
         values = [job["id"], job["dataset"], job["tenant"]]
+        fetched.add_metric(values, job.get("bytes_fetched", 0))
+        if job.get("fetched_per_served") is not None:
+            amplification.add_metric(values, job["fetched_per_served"])
         tokens.add_metric(values, job["tokens_served"])
         batches.add_metric(values, job["batches_served"])
         retrans.add_metric(values, job["retransmits"])
@@ -122,6 +154,7 @@ def _job_metrics(jobs: list[dict[str, Any]]) -> Iterator[Metric]:
             consumed.add_metric(values, job["consumed_position"])
             consumed_rate.add_metric(values, job["consumed_tokens_per_s"])
     yield from (tokens, batches, retrans, rate, workers, served, consumed, consumed_rate)
+    yield from (fetched, amplification)
 
 
 def _cache_metrics(stats: dict[str, Any]) -> Iterator[Metric]:

@@ -239,6 +239,17 @@ class JobView(_Model):
     requests: int = Field(description="Requests answered.")
     batches_served: int = Field(description="Batches sent.")
     tokens_served: int = Field(description="Tokens sent.")
+    bytes_fetched: int = Field(
+        0,
+        description="Bytes the server's piece cache fetched from object storage for this "
+        "job (its requests' misses and its plan's prefetch; 0 for a local store).",
+    )
+    fetched_per_served: float | None = Field(
+        None,
+        description="`bytes_fetched` per byte served: about 1 or less for a block shuffle "
+        "or a cache that holds the dataset; far more is read amplification (a global "
+        "shuffle through a small cache). Null before anything was served.",
+    )
     tokens_per_s: float = Field(
         description="Recent rate of tokens sent per second (`seq_len + 1` per window)."
     )
@@ -315,6 +326,14 @@ class JobView(_Model):
         "server reported a consumed position above 0: they were training before, mostly "
         "failovers from another replica (a restart of this server or a resume from a "
         "checkpoint look the same). Summed over jobs in the `clients_resumed` counter."
+    )
+    skipped: list[list[int]] = Field(
+        default_factory=list,
+        description="Stream ranges the run skipped on purpose at a resume "
+        "(`load_state_dict(state, skip_batches=N)`, after a loss spike), as "
+        "`[position, samples]` pairs in the order they were skipped: the positions "
+        "`position` to `position + samples - 1` were never served to training. Empty "
+        "for a run that skipped nothing (or a client from before skipped ranges).",
     )
     snapshot_age_s: float | None = Field(
         default=None,
@@ -426,6 +445,11 @@ class StatusView(_Model):
     connections: int | None = Field(
         description="Data connections attached now (null for a caller who does not see "
         "every job: a tenant or no token on an authenticated server)."
+    )
+    unattached: int | None = Field(
+        default=None,
+        description="(null, as connections) Data connections open that have not said hello "
+        "yet; closed after --hello-timeout-s, at most --max-unattached-connections.",
     )
     counters: dict[str, int] | None = Field(
         description="Data plane event counts since start (null, as connections)."

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -13,6 +12,7 @@ from tokenfeed_server.dataplane.auth import Tenants, token_digest
 from tokenfeed_server.dataplane.plane import DataPlane
 from tokenfeed_server.http.dataset_health import DatasetHealthView
 from tokenfeed_server.store import Store
+from tokenfeed_server.store.redact import Redactor
 
 __all__ = ["ServerState", "State", "server_state"]
 
@@ -37,15 +37,12 @@ class ServerState:
         self.open_admin_sha256 = (
             token_digest(config.admin_token) if tenants is None and config.admin_token else None
         )
-        root = str(store.root)
-        # Longest first, so that the resolved form is not half-replaced by the given one.
-        self._store_paths = sorted({root, str(Path(root).resolve())}, key=len, reverse=True)
+        self._redact = Redactor.for_store(store)  # the same as the data port's errors
 
     def redact(self, message: str) -> str:
-        """``message`` with the store's path replaced, for callers who are not the admin."""
-        for path in self._store_paths:
-            message = message.replace(path, "<store>")
-        return message
+        """``message`` with the store's location (and endpoint) replaced, for callers who
+        are not the admin."""
+        return self._redact(message)
 
 
 def server_state(request: Request) -> ServerState:

@@ -44,14 +44,15 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenfeed.errors import StoreError
 from tokenfeed_server.store.cache_disk import DiskKeeper, DiskUsage
-from tokenfeed_server.store.cache_faults import Faults
+from tokenfeed_server.store.cache_faults import Faults, failure_key, reroute
 from tokenfeed_server.store.cache_fetch import FetchPool
+from tokenfeed_server.store.cache_ledger import FetchLedger
 from tokenfeed_server.store.cache_policy import (
     FETCHING,
     IDLE,
@@ -62,7 +63,9 @@ from tokenfeed_server.store.cache_policy import (
     PieceEntry,
     Step,
     prefetch_step,
+    request_too_big,
     rows_per_request,
+    unique_refs,
 )
 from tokenfeed_server.store.errors import (
     CacheClosed,
@@ -180,6 +183,8 @@ class PieceCache:
         self._want_digests: list[str] = []
         self._want_cursor = 0
         self._stop = False
+        #: bytes fetched per job (the data plane names the job it reads for)
+        self.ledger = FetchLedger()
 
     @property
     def mismatch_attempts(self) -> int:
@@ -194,13 +199,23 @@ class PieceCache:
     # -- start-up --------------------------------------------------------------------
 
     def rows_per_request(
-        self, piece_bytes: int, row_bytes: int, dataset_bytes: int | None = None
+        self,
+        piece_bytes: int,
+        row_bytes: int,
+        dataset_bytes: int | None = None,
+        *,
+        span_pieces: int | None = None,
     ) -> int:
-        """The most rows of ``row_bytes`` one request may read: see
-        :func:`~tokenfeed_server.store.cache_policy.rows_per_request` (what a job's
-        ``max_count`` times its batch size should not exceed, or a request could need
-        more room than the cache has: :class:`CacheTooSmall`)."""
-        return rows_per_request(self.capacity, piece_bytes, row_bytes, dataset_bytes)
+        """The most rows of ``row_bytes`` one request should read (see
+        :func:`~tokenfeed_server.store.cache_policy.rows_per_request`)."""
+        return rows_per_request(
+            self.capacity, piece_bytes, row_bytes, dataset_bytes, span_pieces=span_pieces
+        )
+
+    @property
+    def round_bytes(self) -> int:
+        """Most piece bytes one read pins at once: half, leaving room for the next one."""
+        return self.capacity // 2
 
     # -- the loop's side ---------------------------------------------------------------
 
@@ -241,7 +256,7 @@ class PieceCache:
         resident = sum(map(self._index.is_resident, digests))
         self._stats.hits += resident
         self._stats.misses += len(digests) - resident
-        waiter = Waiter(_unique(refs()))
+        waiter = Waiter(unique_refs(refs()))
         self._request(waiter)
         raise NotResident(self, waiter)
 
@@ -267,7 +282,7 @@ class PieceCache:
 
     def fetch_all_blocking(self, refs: Sequence[PieceRef], timeout: float | None = None) -> None:
         """Bring ``refs`` in, blocking (for tools and tests, never the data plane)."""
-        waiter = Waiter(_unique(refs))
+        waiter = Waiter(unique_refs(refs))
         with self.lock:
             self._request(waiter)
         try:
@@ -278,18 +293,25 @@ class PieceCache:
         finally:
             self.release(waiter)
 
-    def want(self, refs: Sequence[PieceRef], digests: Sequence[str] | None = None) -> None:
+    def want(
+        self,
+        refs: Sequence[PieceRef],
+        digests: Sequence[str] | None = None,
+        owners: Sequence[tuple[int, str]] = (),
+    ) -> None:
         """The pieces the prefetch plan wants, most urgent first (replaces the last call):
         fetched ahead into free room, and evicted after the pieces it does not want.
 
         ``digests``, if given, are the pieces' digests in the same order: then ``refs``
         may be a lazy sequence (a piece's ref is made only if it must be fetched).
+        ``owners``: ``(count, job)`` per stretch of the list, charged its fetches.
         """
         want_digests = list(digests) if digests is not None else [r.digest for r in refs]
         wanted = set(want_digests)
         with self.lock:
             self._want_list = refs
             self._want_digests = want_digests
+            self.ledger.set_plan_owners(owners)
             self._order.set_plan(wanted)
             self._want_cursor = 0
             # Queued prefetches no longer wanted give their room back.
@@ -311,21 +333,22 @@ class PieceCache:
         with self.lock:
             return self._index.is_resident(digest)
 
+    def resident_many(self, digests: Sequence[str]) -> list[bool]:
+        """:meth:`resident` of each of ``digests``, under one lock."""
+        with self.lock:
+            return list(map(self._index.is_resident, digests))
+
     # -- admission (lock held) ---------------------------------------------------------
 
     def _request(self, waiter: Waiter) -> None:
         need = sum(r.size for r in waiter.refs)
         if need > self.capacity:
-            waiter.error = CacheTooSmall(
-                f"one request needs {len(waiter.refs)} pieces ({need} bytes) in the cache at "
-                f"once, more than --cache-size={self.capacity} bytes; raise --cache-size, or "
-                "ask smaller chunks (fewer rows per request), or use shuffle='block'"
-            )
+            waiter.error = CacheTooSmall(request_too_big(len(waiter.refs), need, self.capacity))
             self._complete(waiter)
             return
         now = time.monotonic()
         for ref in waiter.refs:
-            error = self._failed.recent(ref.digest, now)
+            error = self._failed.recent(failure_key(ref), now)
             if error is not None:
                 waiter.error = error
                 self._complete(waiter)
@@ -363,6 +386,7 @@ class PieceCache:
         entry = self._entries.get(ref.digest)
         if entry is None:
             entry = self._index.reserve(ref, demand=True)
+            entry.owner = self.ledger.owner
             self._demand.append(entry)
         elif entry.state == IDLE:
             entry.ref = ref
@@ -397,7 +421,7 @@ class PieceCache:
                 self._want_cursor += 1  # here or on its way: no ref needed
                 continue
             ref = wants[self._want_cursor]
-            failed = self._failed.recent(ref.digest, now) is not None
+            failed = self._failed.recent(failure_key(ref), now) is not None
             step = prefetch_step(entry, ref, failed_recently=failed)
             if step is Step.REPLACE:
                 assert entry is not None
@@ -410,6 +434,7 @@ class PieceCache:
                 if not room:
                     return  # the cache is full of wanted or pinned pieces: wait for room
                 entry = self._index.reserve(ref, demand=False)
+                entry.owner = self.ledger.plan_owner(self._want_cursor)
             elif step is Step.VERIFY:  # found at start-up: verify it now
                 assert entry is not None
                 entry.ref, entry.state = ref, QUEUED
@@ -451,6 +476,7 @@ class PieceCache:
         self._fetching -= 1
         if fetched:
             self._stats.record_fetch(fetched, elapsed, demand=demand)
+            self.ledger.charge(entry.owner, fetched)
         if self.faults.cleared(entry):
             self._want_cursor = 0  # storage answers: look over what the plan wants again
         if isinstance(error, FetchAbandoned) and entry.waiters and not self._stop:
@@ -482,12 +508,15 @@ class PieceCache:
         if not isinstance(error, FetchAbandoned):  # abandoned: nobody waits, no verdict
             self._stats.unreadable += 1
             log.error("%s", error)
-        if isinstance(error, PieceMissing | PieceDamaged):
-            self._failed.remember(entry.digest, error, time.monotonic())
-        self._index.drop(entry)
+        if isinstance(error, PieceMissing | PieceDamaged) and entry.ref is not None:
+            self._failed.remember(failure_key(entry.ref), error, time.monotonic())
+            waiters = reroute(entry, error, waiters, self._failed, self._demand)
+            self._work.notify_all()  # if rerouted: the same bytes from another dataset's object
+        if entry.state != QUEUED:
+            self._index.drop(entry)
         for waiter in waiters:
             if not waiter.done:
-                waiter.error = error
+                waiter.error = waiter.error or error
                 self._complete(waiter)
 
     # -- the disk's side (lock held) ----------------------------------------------------
@@ -520,6 +549,11 @@ class PieceCache:
                 "retrying": self.faults.retrying_pieces,
                 **self._stats.as_dict(),
             }
+
+    def take_fetched(self) -> dict[str, int]:
+        """Bytes fetched per job since the last call (see :class:`FetchLedger`)."""
+        with self.lock:
+            return self.ledger.take()
 
     def fault_of(self, waiter: Waiter) -> StorageFault | None:
         """Why ``waiter`` still waits, if object storage does not answer (the loop reads
@@ -564,10 +598,3 @@ class PieceCache:
             if not waiter.done and id(waiter) not in seen:
                 seen.add(id(waiter))
                 yield waiter
-
-
-def _unique(refs: Iterable[PieceRef]) -> list[PieceRef]:
-    seen: dict[str, PieceRef] = {}
-    for ref in refs:
-        seen.setdefault(ref.digest, ref)
-    return list(seen.values())

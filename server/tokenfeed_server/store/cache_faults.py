@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
-from tokenfeed_server.store.cache_policy import PieceEntry
+from tokenfeed_server.store.cache_policy import QUEUED, FailureMemory, PieceEntry
 from tokenfeed_server.store.errors import (
     PieceDamaged,
     PieceMissing,
@@ -31,7 +32,7 @@ from tokenfeed_server.store.health import StorageHealth
 from tokenfeed_server.store.pieces import PieceRef
 from tokenfeed_server.store.waiters import StorageFault, Waiter
 
-__all__ = ["PREFETCH_PAUSE_S", "Faults"]
+__all__ = ["PREFETCH_PAUSE_S", "Faults", "failure_key", "reroute"]
 
 log = logging.getLogger(__name__)
 
@@ -145,3 +146,45 @@ class Faults:
             with self._damaged_lock:
                 self._damaged[ref.digest] = url
             self.health.failed(name, "damaged", str(error), url)
+
+
+# -- a failure belongs to its object -----------------------------------------------------
+
+
+def failure_key(ref: PieceRef) -> str:
+    """The key a missing or damaged piece is remembered under: its content *and* the
+    object it was read from. Pieces are shared by content (two datasets holding the same
+    bytes share one cached copy), but a failure is the failing object's own: another
+    dataset's object with the same content is fetched before that dataset fails."""
+    return f"{ref.digest}@{ref.key}"
+
+
+def reroute(
+    entry: PieceEntry,
+    error: PieceUnreadable,
+    waiters: list[Waiter],
+    failed: FailureMemory[PieceUnreadable],
+    demand: deque[PieceEntry],
+) -> list[Waiter]:
+    """The fetch of ``entry`` from its object failed with ``error`` (remembered in
+    ``failed`` under :func:`failure_key`): return the waiters that fail (each with its
+    ``error`` set: that of its own object). Waiters that read the same content from
+    another object (another dataset), not failed lately, wait on: ``entry`` is queued
+    again (on ``demand``, the cache's queue, for its fetchers) with that object's ref,
+    so that one dataset's missing object never fails another's."""
+    assert entry.ref is not None
+    now = time.monotonic()
+    fail, others = [], []
+    for waiter in waiters:
+        own = next((r for r in waiter.refs if r.digest == entry.digest), entry.ref)
+        own_error = error if own.key == entry.ref.key else failed.recent(failure_key(own), now)
+        if own_error is not None:
+            waiter.error = own_error
+            fail.append(waiter)
+        else:
+            others.append((waiter, own))
+    if others:
+        entry.ref, entry.state, entry.demand = others[0][1], QUEUED, True
+        entry.waiters = [waiter for waiter, _ in others]
+        demand.append(entry)
+    return fail

@@ -17,7 +17,10 @@ The rules:
   those here or on their way and those found missing or damaged within the last few
   seconds (:class:`FailureMemory`; unreachable storage is never remembered: its fetch is
   still going, or gave up with nobody waiting).
-* **How big a request may be** (:func:`rows_per_request`).
+* **How big a request may be** (:func:`rows_per_request`, counting the distinct pieces
+  a request really needs), the one refusal a small cache makes (:func:`one_row_fits`),
+  and what a global shuffle through a cache smaller than its dataset costs
+  (:func:`read_amplification`, :func:`amplification_refusal`).
 """
 
 from __future__ import annotations
@@ -44,9 +47,16 @@ __all__ = [
     "FailureMemory",
     "PieceEntry",
     "Step",
+    "amplification_refusal",
     "choose_victims",
+    "one_row_fits",
     "prefetch_step",
+    "read_amplification",
+    "request_too_big",
+    "row_pieces_worst",
     "rows_per_request",
+    "span_pieces",
+    "unique_refs",
 ]
 
 #: :func:`rows_per_request` when a request cannot outgrow the cache.
@@ -71,6 +81,15 @@ class PieceEntry:
     demand: bool = False  # queued for a waiting request (else: prefetch)
     waiters: list[Waiter] = field(default_factory=list)
     fault: StorageFault | None = None  # its fetch retries storage that does not answer
+    owner: str = ""  # the job its fetch is charged to (see cache_ledger)
+
+
+def unique_refs(refs: Iterable[PieceRef]) -> list[PieceRef]:
+    """``refs`` without repeats (by digest), in first-seen order."""
+    seen: dict[str, PieceRef] = {}
+    for ref in refs:
+        seen.setdefault(ref.digest, ref)
+    return list(seen.values())
 
 
 def _drain(it: Iterable[object]) -> None:
@@ -242,15 +261,102 @@ class FailureMemory(Generic[E]):
 
 
 def rows_per_request(
-    capacity: int, piece_bytes: int, row_bytes: int, dataset_bytes: int | None = None
+    capacity: int,
+    piece_bytes: int,
+    row_bytes: int,
+    dataset_bytes: int | None = None,
+    *,
+    span_pieces: int | None = None,
 ) -> int:
-    """The most rows of ``row_bytes`` one request may read so that its pieces (of
-    ``piece_bytes``) fit in half a cache of ``capacity`` bytes at once, whatever rows it
-    reads (at least 1). A dataset of ``dataset_bytes`` that fits in the cache whole allows
-    any number (:data:`UNLIMITED_ROWS`): no request can need more than all its pieces, and
-    admission is all or nothing, so requests of other jobs wait for room rather than fail."""
+    """The most rows of ``row_bytes`` one request should read so that the pieces (of
+    ``piece_bytes``) it really needs fit in half a cache of ``capacity`` bytes (at least
+    1). A dataset of ``dataset_bytes`` that fits in the cache whole allows any number
+    (:data:`UNLIMITED_ROWS`): no request can need more than all its pieces, and
+    admission is all or nothing, so requests of other jobs wait for room rather than fail.
+
+    The count is of distinct pieces, as a request needs them: a row needs one piece, or
+    two for the few that start near a piece's end (``1 + (row_bytes - 1) / piece_bytes``
+    on average, not two each), and rows that share a piece share it. ``span_pieces``, when
+    given, bounds the pieces the rows of one request can fall in (a block shuffle's
+    request reads within two blocks): if they fit, any number of rows does.
+    A request that needs more than this anyway (bad luck) is read in rounds that fit
+    (:mod:`~tokenfeed_server.store.cache_rounds`): never refused, never different data.
+    """
     if dataset_bytes is not None and dataset_bytes <= capacity:
         return UNLIMITED_ROWS
-    # a row may start anywhere in a piece: it can touch one piece more than it fills
-    per_row = (-(-row_bytes // piece_bytes) + 1) * piece_bytes
-    return max(1, (capacity // 2) // per_row)
+    budget = capacity // 2
+    if span_pieces is not None and span_pieces * piece_bytes <= budget:
+        return UNLIMITED_ROWS
+    per_row = 1.0 + (max(1, row_bytes) - 1) / piece_bytes
+    return max(1, int((budget // piece_bytes) / per_row))
+
+
+def request_too_big(pieces: int, need: int, capacity: int) -> str:
+    """Why a read of ``pieces`` pieces (``need`` bytes) cannot be admitted at once."""
+    return (
+        f"one read needs {pieces} pieces ({need} bytes) in the cache at once, more than "
+        f"--cache-size={capacity} bytes; raise --cache-size"
+    )
+
+
+def span_pieces(span_bytes: int, piece_bytes: int) -> int:
+    """Pieces that ``span_bytes`` of consecutive file bytes can touch (one more than they
+    fill: the span may start anywhere in a piece)."""
+    return -(-span_bytes // piece_bytes) + 1
+
+
+def row_pieces_worst(row_bytes: int, piece_bytes: int) -> int:
+    """The most pieces one row of ``row_bytes`` within one shard can need at once (it may
+    start anywhere in a piece). A row across a shard's end may need one more: checked
+    when it is read (:mod:`~tokenfeed_server.store.cache_rounds`), not refused ahead for
+    a case that rare."""
+    return span_pieces(row_bytes, piece_bytes)
+
+
+def one_row_fits(capacity: int, piece_bytes: int, row_bytes: int) -> str | None:
+    """None if the pieces of any one row fit in a cache of ``capacity`` bytes; else why
+    not, naming the setting (the one case a small cache must refuse: a row is read whole,
+    from pieces all in the cache at once)."""
+    need = row_pieces_worst(row_bytes, piece_bytes)
+    if need * piece_bytes <= capacity:
+        return None
+    return (
+        f"one row of {row_bytes} bytes can need {need} pieces of {piece_bytes} bytes in the "
+        f"cache at once ({need * piece_bytes} bytes), more than the whole cache "
+        f"(--cache-size={capacity} bytes); raise --cache-size to at least "
+        f"{need * piece_bytes}, or use a shorter seq_len"
+    )
+
+
+def read_amplification(
+    dataset_bytes: int, capacity: int, piece_bytes: int, row_bytes: int
+) -> float:
+    """Bytes fetched from object storage per byte served, expected for a global shuffle
+    over a dataset of ``dataset_bytes`` through a cache of ``capacity`` bytes: a row is in
+    the cache with the chance ``capacity / dataset_bytes``; otherwise its pieces (one, or
+    two near a piece's end) are fetched whole for its ``row_bytes``."""
+    if dataset_bytes <= capacity:
+        return 1.0  # every piece fetched once, then served from the cache
+    miss = 1.0 - capacity / dataset_bytes
+    per_row = 1.0 + (max(1, row_bytes) - 1) / piece_bytes
+    return max(1.0, miss * per_row * piece_bytes / max(1, row_bytes))
+
+
+def amplification_refusal(
+    dataset: str, dataset_bytes: int, capacity: int, piece_bytes: int, row_bytes: int
+) -> str | None:
+    """Why a global shuffle of remote ``dataset`` is refused (None: its cache holds it):
+    the numbers, and the two fixes, and how to ask for it anyway."""
+    if dataset_bytes <= capacity:
+        return None
+    amp = read_amplification(dataset_bytes, capacity, piece_bytes, row_bytes)
+    return (
+        f"a global shuffle of {dataset!r} ({dataset_bytes} bytes in object storage) through "
+        f"the server's cache of {capacity} bytes (--cache-size) would fetch about "
+        f"{amp:.0f} bytes from storage per byte served (each {row_bytes}-byte row misses "
+        f"the cache with chance {1 - capacity / dataset_bytes:.2f} and then brings a "
+        f"{piece_bytes}-byte piece): use shuffle='block' (reads the dataset in cached "
+        f"blocks, about 1x), or ask the operator for --cache-size of at least "
+        f"{dataset_bytes}; to accept the amplification, pass "
+        "allow_read_amplification=True to TokenFeedDataset"
+    )

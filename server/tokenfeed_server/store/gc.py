@@ -404,6 +404,8 @@ def _kept(
 def _names(dataset: str, manifest: Manifest) -> set[str]:
     """The keys of the objects one version needs."""
     names = {f"{dataset}/{s.name}" for s in manifest.shards}
+    if manifest.pieces_file:  # version 3: the sidecar of piece digests is the version's
+        names.add(f"{dataset}/{manifest.pieces_file}")
     return names | {f"{dataset}/{f}" for f in manifest.extra_files}
 
 

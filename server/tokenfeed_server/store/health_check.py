@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from tokenfeed.errors import StoreError
 from tokenfeed_server.store.format import piece_digest
 from tokenfeed_server.store.health import StorageHealth
 from tokenfeed_server.store.manifest import ShardInfo
@@ -184,9 +186,14 @@ class HealthCheck:
             manifest = self.store.get(name).manifest
         except Exception:  # fails to open now: no size to compare with
             return None
-        for shard in manifest.shards:
+        for k, shard in enumerate(manifest.shards):
             if f"{name}/{shard.name}" == key:
-                return shard, shard.file_size(manifest.itemsize), manifest.piece_bytes
+                try:  # the one accessor: version 3 reads the sidecar once
+                    pieces = manifest.shard_pieces(k)
+                except StoreError:
+                    return None
+                found = replace(shard, pieces=pieces)
+                return found, found.file_size(manifest.itemsize), manifest.piece_bytes
         return None
 
     def _whole(

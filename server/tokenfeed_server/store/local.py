@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import itertools
 import os
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from tokenfeed_server.store.format import (
     is_plain_file_name,
     shard_size,
 )
+from tokenfeed_server.store.handles import HANDLES, HandleTable, ShardFiles
 from tokenfeed_server.store.manifest import Manifest, ShardInfo
 from tokenfeed_server.store.reader import (
     Dataset,
@@ -42,6 +42,9 @@ __all__ = ["LocalDataset", "list_datasets", "open_dataset", "pread_rows"]
 _HASH_CHUNK = 1 << 24
 _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+#: A dataset of at most this many shards has every shard's header checked when opened
+#: (bigger ones: when each shard is first read; sizes are checked at open either way).
+EAGER_HEADER_SHARDS = 256
 _FIX = "re-run tokenfeed-server prepare ... --overwrite to rebuild the dataset"
 
 
@@ -50,56 +53,49 @@ class LocalDataset(Dataset):
 
     Nothing is memory-mapped: a shard truncated or damaged while the dataset is open makes a
     read raise :class:`~tokenfeed.errors.CorruptShard` naming the dataset and the file,
-    where touching a map would kill the whole process with SIGBUS. The files stay open, so
-    a dataset replaced on disk keeps reading its old files until it is closed.
+    where touching a map would kill the whole process with SIGBUS. The dataset holds its
+    directory open; its shard files are opened on demand into the server's bounded set
+    (:mod:`~tokenfeed_server.store.handles`), by name in that directory and checked to be
+    the files first seen, so a dataset replaced on disk keeps reading its own build (moved
+    aside, not changed) until it is closed, or fails clearly if that build was removed.
     """
 
     def __init__(self, name: str, path: Path, manifest: Manifest) -> None:
         super().__init__(name, path, manifest)
-        self._fds: list[int] = []
-        # Closes the files when the dataset is dropped (a replaced one, its last job gone).
-        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+        self._files: ShardFiles | None = None
+        self._table = HandleTable(0, _no_file)
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
-    def fds(self) -> Sequence[int]:
-        """The open descriptor of every shard file, in order (empty once closed)."""
-        return self._fds
+    def shard_files(self) -> ShardFiles | None:
+        """The dataset's shard files (None once closed, or before it is attached)."""
+        return None if self._closed else self._files
 
     def _attach(self, dir_fd: int) -> None:
-        """Open every shard through ``dir_fd``, the directory the manifest was read from.
+        """Take the shard files of ``dir_fd``, the directory the manifest was read from:
+        each is ``stat``-ed (missing, a link, a wrong size: CorruptShard), none opened
+        (but for a small dataset, whose headers are checked at once).
 
         Names are resolved in that directory, not by path: a ``prepare --overwrite`` that
         swaps the dataset directory meanwhile cannot pair this manifest with the new
         build's shards.
         """
-        for shard in self.manifest.shards:
-            path = self.path / shard.name
-            try:
-                fd = os.open(shard.name, _RDONLY | _NOFOLLOW, dir_fd=dir_fd)
-            except FileNotFoundError:
-                raise CorruptShard(f"{path}: shard file is missing; {_FIX}") from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    # prepare writes files, never links: a link may point anywhere
-                    raise CorruptShard(
-                        f"{path}: the shard is a symbolic link, which is refused (it may "
-                        f"point out of the store); {_FIX}"
-                    ) from None
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
-                    # Not a damaged dataset: the server holds one descriptor per shard.
-                    raise StoreError(
-                        f"dataset {self.name!r}: out of file descriptors opening shard "
-                        f"{len(self._fds) + 1} of {len(self.manifest.shards)} (the server "
-                        "keeps one per shard); raise the limit (`ulimit -n`, or "
-                        "`nofile` in Docker/systemd) and restart the server"
-                    ) from exc
-                raise CorruptShard(f"{path}: cannot open shard: {exc}; {_FIX}") from exc
-            self._fds.append(fd)
-            # Checked through the descriptor that will be read: no window for a swap.
-            _check_shard_file(fd, path, shard, self.manifest.dtype)
-            # Windows are read at random: readahead would pull in pages nobody asked for.
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        shards, dtype, path = self.manifest.shards, self.manifest.dtype, self.path
+        names = [shard.name for shard in shards]
+        sizes = np.asarray([shard.file_size(self.dtype.itemsize) for shard in shards], np.int64)
+
+        def check(fd: int, k: int) -> None:  # no reference to self: the finalizer must run
+            _check_shard_file(fd, path / names[k], shards[k], dtype)
+
+        files = ShardFiles(dir_fd, path, names, sizes, check)
+        table = HandleTable(len(names), files.open)
+        self._files, self._table = files, table
+        # Closes the directory and files when the dataset is dropped (a replaced one, its
+        # last job gone) or closed.
+        self._finalizer = weakref.finalize(self, HANDLES.release_table, table, files)
+        files.stat_all()
+        if len(names) <= EAGER_HEADER_SHARDS:
+            files.check_all()
 
     def __repr__(self) -> str:
         return (
@@ -114,11 +110,12 @@ class LocalDataset(Dataset):
             done += nbytes
 
     def _pread(self, k: int, buf: memoryview, offset: int) -> None:
+        self._check_open()
+        fds, tick = HANDLES.acquire(self._table, np.asarray([k], dtype=np.int64))
         try:
-            fd = self._fds[k]
-        except IndexError:
-            raise StoreError(f"dataset {self.name!r} is closed") from None
-        problem = pread_exact(fd, buf, offset)
+            problem = pread_exact(fds[0], buf, offset)
+        finally:
+            HANDLES.release(tick)
         if problem is not None:
             raise self._read_error(k, problem)
 
@@ -139,8 +136,7 @@ class LocalDataset(Dataset):
         """One ``pread`` per row straight into its place (rows are random windows: no two
         share a file range worth merging); a row that crosses a shard boundary is read in
         two."""
-        if not self._fds:
-            raise StoreError(f"dataset {self.name!r} is closed")
+        self._check_open()
         row = length * self.dtype.itemsize
         row_bufs: Iterator[tuple[Any]]
         if rows is None:
@@ -149,7 +145,7 @@ class LocalDataset(Dataset):
         else:
             row_bufs = iter(rows)
         crossing = pread_rows(
-            self._fds, self._bounds, starts_arr, length, itemsize=self.dtype.itemsize,
+            self._table, self._bounds, starts_arr, length, itemsize=self.dtype.itemsize,
             row_bufs=row_bufs,
         )  # fmt: skip
         # The rows read piecewise or again go where the fast path puts them: through
@@ -165,13 +161,18 @@ class LocalDataset(Dataset):
 
     def verify_checksums(self) -> None:
         """Hash every shard and compare with the manifest; raise CorruptShard naming the file."""
-        if not self._fds:
+        files = self.shard_files
+        if files is None:
             raise StoreError(f"dataset {self.name!r} is closed")
-        for fd, shard in zip(self._fds, self.manifest.shards, strict=True):
+        for k, shard in enumerate(self.manifest.shards):
             path = self.path / shard.name
             algo, _, expected = shard.checksum.partition(":")
-            # Through the open file: the bytes hashed are the bytes served.
-            actual = _file_checksum(fd, path, algo, HEADER_SIZE)
+            # The file served (same inode), one at a time: the shared set is not churned.
+            fd = HANDLES.open_one(files, k)
+            try:
+                actual = _file_checksum(fd, path, algo, HEADER_SIZE)
+            finally:
+                os.close(fd)
             if actual != expected:
                 raise CorruptShard(
                     f"{path}: checksum mismatch ({algo} {actual} != manifest {expected}); the "
@@ -183,22 +184,23 @@ class LocalDataset(Dataset):
         """One of the manifest's ``extra_files``, read in this dataset's directory."""
         if name not in self.manifest.extra_files or not is_plain_file_name(name):
             raise ValueError(f"{name!r} is not one of dataset {self.name!r}'s files")
-        fd = os.open(self.path, _RDONLY | os.O_DIRECTORY)
-        try:
-            file_fd = os.open(name, _RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=fd)
-        finally:
-            os.close(fd)
+        files = self.shard_files
+        if files is None:
+            raise StoreError(f"dataset {self.name!r} is closed")
+        # In this build's directory (followed through a rename), not whatever is at path.
+        file_fd = HANDLES.open_name(files, name)
         with os.fdopen(file_fd, "rb") as f:
             return f.read()
 
     def close(self) -> None:
         """Close the shard files; reading afterwards raises StoreError."""
-        self._finalizer()
         super().close()
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def pread_rows(
-    fds: Sequence[int],
+    table: HandleTable,
     bounds: npt.NDArray[np.int64],
     starts: npt.NDArray[np.int64],
     length: int,
@@ -206,47 +208,82 @@ def pread_rows(
     itemsize: int,
     row_bufs: Iterator[tuple[Any]],
 ) -> list[int] | None:
-    """Read row ``i`` (``length`` tokens from token ``starts[i]`` of the files ``fds``,
-    file ``k`` holding tokens ``[bounds[k], bounds[k+1])``) into the next of ``row_bufs``
-    with one ``preadv`` each: the indices of the rows that cross a file boundary (not
-    read: the caller reads them piecewise), or None when some read failed or came short
-    (the caller reads row by row to name the file).
+    """Read row ``i`` (``length`` tokens from token ``starts[i]`` of the files of
+    ``table``, file ``k`` holding tokens ``[bounds[k], bounds[k+1])``) into the next of
+    ``row_bufs`` with one ``preadv`` each: the indices of the rows that cross a file
+    boundary (not read: the caller reads them piecewise), or None when some read failed or
+    came short (the caller reads row by row to name the file).
 
     The loop over rows runs in C (map, zip, sum over os.preadv): no Python bytecode per
     row, which was most of the cost of reading small rows. preadv takes a sequence of
     buffers: a 1-tuple per row (iterating an array yields its rows as views; cheaper
-    than slicing a memoryview).
+    than slicing a memoryview). The files' descriptors come from :data:`HANDLES`, held for
+    the read.
     """
     n = len(starts)
     crossing: list[int] = []
-    fd_iter: Iterable[int]
-    if len(fds) == 1:
-        fd_iter = itertools.repeat(fds[0], n)
+    if len(bounds) == 2:
+        first = np.zeros(n, dtype=np.int64)
         offsets = starts * itemsize + HEADER_SIZE
     else:
         first = np.searchsorted(bounds, starts, side="right") - 1
         last = np.searchsorted(bounds, starts + (length - 1), side="right") - 1
         offsets = (starts - bounds[first]) * itemsize + HEADER_SIZE
-        fd_iter = np.asarray(fds, dtype=np.int64)[first].tolist()
         whole = first == last
         if not whole.all():  # rows across a file boundary: left to the caller
             crossing = np.flatnonzero(~whole).tolist()
-            keep = whole.tolist()
-            row_bufs = itertools.compress(row_bufs, keep)
-            fd_iter = itertools.compress(fd_iter, keep)
-            offsets = offsets[whole]
+            row_bufs = itertools.compress(row_bufs, whole.tolist())
+            first, offsets = first[whole], offsets[whole]
     # Every byte is counted: a short read anywhere shows in the total.
     expected = (n - len(crossing)) * length * itemsize
     try:
-        got = sum(map(os.preadv, fd_iter, row_bufs, offsets.tolist()))
+        got = _read_files(table, first, offsets, row_bufs)
     except OSError:
         return None
     return crossing if got == expected else None
 
 
-def _close_all(fds: list[int]) -> None:
-    while fds:
-        os.close(fds.pop())
+def _read_files(
+    table: HandleTable,
+    files: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    row_bufs: Iterator[tuple[Any]],
+) -> int:
+    """Bytes read by one ``preadv`` per row (file ``files[i]`` at ``offsets[i]``), the
+    rows taken in groups of at most ``HANDLES.limit`` files when they touch more."""
+    if len(files) == 0:
+        return 0
+    if table.slot_of.size == 1:  # one file: one descriptor for every row
+        fds, tick = HANDLES.acquire(table, files[:1])
+        try:
+            return sum(map(os.preadv, itertools.repeat(fds[0]), row_bufs, offsets.tolist()))
+        finally:
+            HANDLES.release(tick)
+    limit = HANDLES.limit
+    if len(files) <= limit or len(groups := np.unique(files)) <= limit:
+        fds, tick = HANDLES.acquire(table, files)
+        try:
+            return sum(map(os.preadv, fds, row_bufs, offsets.tolist()))
+        finally:
+            HANDLES.release(tick)
+    # More files than may be open at once: a group of files at a time (rare: a request
+    # of many rows over a dataset of many more shards than the bound).
+    bufs = list(row_bufs)
+    group = np.searchsorted(groups, files) // limit
+    got = 0
+    for g in range(int(group.max()) + 1):
+        rows = np.flatnonzero(group == g)
+        fds, tick = HANDLES.acquire(table, files[rows])
+        try:
+            picked = map(bufs.__getitem__, rows.tolist())
+            got += sum(map(os.preadv, fds, picked, offsets[rows].tolist()))
+        finally:
+            HANDLES.release(tick)
+    return got
+
+
+def _no_file(k: int) -> int:
+    raise StoreError("the dataset is not open")
 
 
 def _check_shard_file(fd: int, path: Path, shard: ShardInfo, dtype: str) -> None:
@@ -363,11 +400,16 @@ def _read_manifest(dir_fd: int, manifest_path: Path) -> Manifest:
             "incomplete: re-run tokenfeed-server prepare ... --overwrite"
         ) from exc
     try:
-        return Manifest.from_json(text)
+        manifest = Manifest.from_json(text)
     except ManifestError as exc:
         raise ManifestError(
             f"{manifest_path}: {exc}; re-run tokenfeed-server prepare ... --overwrite"
         ) from exc
+    # version 3: the piece sidecar is checked for its size now, read only when needed
+    from tokenfeed_server.store.sidecar import attach_local_pieces
+
+    attach_local_pieces(manifest, dir_fd, manifest_path.parent)
+    return manifest
 
 
 def list_datasets(store: str | os.PathLike[str]) -> list[str]:

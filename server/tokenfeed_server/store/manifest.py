@@ -1,17 +1,21 @@
 """``manifest.json``: what a dataset holds, and its fingerprint.
 
-Versions 1 and 2 are read (see :mod:`~tokenfeed_server.store.format`); a version-1
+Versions 1, 2 and 3 are read (see :mod:`~tokenfeed_server.store.format`); a version-1
 manifest keeps its exact JSON and fingerprint, so datasets prepared before version 2 still
-serve, and jobs on them keep their fingerprint.
+serve, and jobs on them keep their fingerprint. A version-3 manifest names a binary sidecar
+of piece digests instead of listing them: whoever opens the dataset attaches a reader of
+it (:meth:`Manifest.attach_pieces`) and :meth:`Manifest.piece_digests` reads it on first
+use; the fingerprint equals the version-2 one of the same content.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenfeed.dtypes import DTYPES, dtype_for_vocab
@@ -24,10 +28,13 @@ from tokenfeed_server.store.format import (
     piece_count,
     shard_size,
 )
+from tokenfeed_server.store.piece_table import PieceDigests, PieceState
 
 __all__ = ["Manifest", "ShardInfo", "TokenizerInfo"]
 
 _HEX128 = re.compile(r"[0-9a-f]{32}")
+_CHECKSUM = re.compile(r"blake2b-128:[0-9a-f]{32}")
+_FIX = "re-run tokenfeed-server prepare ... --overwrite"
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class ShardInfo:
 
     ``checksum`` covers the bytes after the header (every version); ``pieces`` (version 2,
     else empty) the whole file piece by piece: see :mod:`~tokenfeed_server.store.format`.
+    Read digests through :meth:`Manifest.shard_pieces`, which serves every version.
     """
 
     name: str
@@ -96,18 +104,45 @@ class Manifest:
     extra_files: tuple[str, ...] = field(default=())
     #: version 2: the piece size of every shard's ``pieces`` (0 in version 1)
     piece_bytes: int = 0
+    #: version 3: the sidecar of piece digests ("" before), and its checksum
+    pieces_file: str = ""
+    pieces_checksum: str = ""
+    #: the sidecar's reader and, once read, the digests (outside equality and the JSON)
+    _piece_state: PieceState = field(init=False, repr=False, compare=False)
 
-    def _content(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["shards"] = [asdict(s) for s in self.shards]
-        data["extra_files"] = list(self.extra_files)
-        if self.format_version == 1:  # the exact version-1 JSON (and so fingerprint)
-            del data["piece_bytes"]
-            for shard in data["shards"]:
-                del shard["pieces"]
-        else:
-            for shard in data["shards"]:
-                shard["pieces"] = list(shard["pieces"])
+    def __post_init__(self) -> None:
+        # Not a field: outside equality, the JSON and the fingerprint.
+        object.__setattr__(self, "_piece_state", PieceState())
+
+    def _content(self, *, pieces: bool = True) -> dict[str, Any]:
+        # Built by hand, not with asdict (which deep-copies): 150,000 shards in 0.1 s.
+        # The key order is the field order, so the JSON of versions 1 and 2 is unchanged.
+        t = self.tokenizer
+        v2 = self.format_version == 2
+        data: dict[str, Any] = {
+            "format_version": self.format_version,
+            "name": self.name,
+            "dtype": self.dtype,
+            "tokenizer": {
+                "kind": t.kind, "vocab_size": t.vocab_size, "eos_id": t.eos_id,
+                "file_hash": t.file_hash, "file": t.file,
+            },
+            "total_tokens": self.total_tokens,
+            "documents": self.documents,
+            "shuffle_seed": self.shuffle_seed,
+            "shards": [
+                {"name": s.name, "tokens": s.tokens, "documents": s.documents,
+                 "checksum": s.checksum, **({"pieces": list(s.pieces)} if v2 and pieces else {})}
+                for s in self.shards
+            ],
+            "created": self.created,
+            "extra_files": list(self.extra_files),
+        }  # fmt: skip
+        if self.format_version >= 2:
+            data["piece_bytes"] = self.piece_bytes
+        if self.format_version >= 3:
+            data["pieces_file"] = self.pieces_file
+            data["pieces_checksum"] = self.pieces_checksum
         return data
 
     @property
@@ -137,6 +172,10 @@ class Manifest:
                 "piece_bytes" in data or any("pieces" in s for s in data["shards"])
             ):
                 raise ManifestError("a version-1 manifest has no piece_bytes or pieces")
+            if version == 3 and any("pieces" in s for s in data["shards"]):
+                raise ManifestError("a version-3 manifest lists no pieces (pieces_file has them)")
+            if version < 3 and ("pieces_file" in data or "pieces_checksum" in data):
+                raise ManifestError(f"a version-{version} manifest has no pieces_file")
             manifest = cls(
                 format_version=int(version),
                 name=str(data["name"]),
@@ -151,13 +190,15 @@ class Manifest:
                         tokens=_int(s["tokens"]),
                         documents=_int(s["documents"]),
                         checksum=str(s["checksum"]),
-                        pieces=_pieces(s["pieces"]) if version >= 2 else (),
+                        pieces=_pieces(s["pieces"]) if version == 2 else (),
                     )
                     for s in data["shards"]
                 ),
                 created=str(data["created"]),
                 extra_files=tuple(str(f) for f in data.get("extra_files", ())),
                 piece_bytes=_int(data["piece_bytes"]) if version >= 2 else 0,
+                pieces_file=str(data["pieces_file"]) if version >= 3 else "",
+                pieces_checksum=str(data["pieces_checksum"]) if version >= 3 else "",
             )
         except ManifestError:
             raise
@@ -189,6 +230,8 @@ class Manifest:
         same = self.format_version >= 2 and all(by_name[s.name] == s for s in self.shards)
         shard_names = list(by_name) if same else [s.name for s in self.shards]
         names = shard_names + list(self.extra_files)
+        if self.format_version >= 3:
+            names.append(self.pieces_file)
         for name in names:
             if not is_plain_file_name(name):
                 raise ManifestError(f"file name {name!r} in the manifest is not a plain name")
@@ -215,6 +258,16 @@ class Manifest:
             raise ManifestError(
                 f"piece_bytes is {self.piece_bytes}; it must be at least {MIN_PIECE_BYTES}"
             )
+        if self.format_version >= 3:
+            if any(s.pieces for s in self.shards):
+                raise ManifestError("a version-3 manifest lists no pieces (pieces_file has them)")
+            if not _CHECKSUM.fullmatch(self.pieces_checksum):
+                raise ManifestError(
+                    f"pieces_checksum {self.pieces_checksum!r} is not blake2b-128:<32 hex>"
+                )
+            return
+        if self.pieces_file or self.pieces_checksum:
+            raise ManifestError(f"a version-{self.format_version} manifest has no pieces_file")
         for shard in self.shards:
             want = piece_count(shard.file_size(self.itemsize), self.piece_bytes)
             if len(shard.pieces) != want:
@@ -224,10 +277,13 @@ class Manifest:
                     f"{self.piece_bytes} bytes"
                 )
 
-    def with_names(self, shards: Sequence[str], extra_files: Mapping[str, str]) -> Manifest:
+    def with_names(
+        self, shards: Sequence[str], extra_files: Mapping[str, str], pieces_file: str = ""
+    ) -> Manifest:
         """This manifest with its shards renamed (in order) and its extra files renamed by
-        ``extra_files`` (old -> new name; the tokenizer's file follows). The fingerprint of
-        a version-2 manifest does not change."""
+        ``extra_files`` (old -> new name; the tokenizer's file follows), and its sidecar
+        renamed ``pieces_file`` (version 3; "": unchanged). The fingerprint of a version-2
+        or -3 manifest does not change; the sidecar's reader is kept."""
         if len(shards) != len(self.shards):
             raise ValueError(f"{len(shards)} names for {len(self.shards)} shards")
         tokenizer = self.tokenizer
@@ -238,9 +294,85 @@ class Manifest:
             shards=tuple(replace(s, name=n) for s, n in zip(self.shards, shards, strict=True)),
             extra_files=tuple(sorted(extra_files.get(f, f) for f in self.extra_files)),
             tokenizer=tokenizer,
+            pieces_file=pieces_file or self.pieces_file,
         )
         renamed._check()
+        object.__setattr__(renamed, "_piece_state", self._piece_state)
         return renamed
+
+    # -- piece digests (every version through one accessor) ------------------------------
+
+    def attach_pieces(self, loader: Callable[[], bytes | PieceDigests], where: str) -> None:
+        """Say how to read this version-3 manifest's sidecar (``where``: its path or URL,
+        for errors); nothing is read until :meth:`piece_digests`."""
+        self._piece_state.loader = loader
+        self._piece_state.where = where
+
+    def adopt_pieces(self, source: Manifest) -> None:
+        """Read digests the way ``source`` does (the same build parsed again, e.g. a
+        published manifest and its local build: same sidecar content)."""
+        object.__setattr__(self, "_piece_state", source._piece_state)
+
+    def set_piece_digests(self, digests: PieceDigests) -> None:
+        """Hand over this version-3 manifest's digests, read and checked by the caller
+        (e.g. a sidecar downloaded and memory-mapped off the data plane's loop)."""
+        state = self._piece_state
+        with state.lock:
+            if state.digests is None:
+                state.digests = digests
+                state.loads += 1
+
+    @property
+    def pieces_loaded(self) -> bool:
+        """Whether the digests are in memory (version 3: the sidecar was read)."""
+        return self.format_version == 2 or self._piece_state.digests is not None
+
+    @property
+    def sidecar_reads(self) -> int:
+        """How often the sidecar was read (0 until a digest is needed)."""
+        return self._piece_state.loads
+
+    def piece_counts(self) -> list[int]:
+        """Pieces per shard, in order (derived from the shard sizes; [] in version 1)."""
+        if self.format_version < 2:
+            return []
+        p, size = self.piece_bytes, self.itemsize
+        return [piece_count(s.file_size(size), p) for s in self.shards]
+
+    def piece_bases(self) -> list[int]:
+        """``bases[k]``: the global id of shard ``k``'s first piece; ``bases[-1]``: the
+        number of pieces (computed once)."""
+        cached: list[int] | None = self.__dict__.get("_piece_bases")
+        if cached is None:
+            cached = [0, *itertools.accumulate(self.piece_counts())]
+            object.__setattr__(self, "_piece_bases", cached)
+        return cached
+
+    def piece_digests(self) -> PieceDigests:
+        """Every piece digest by global piece id (version 3: the sidecar is read and
+        checked the first time; ManifestError if it is missing or damaged)."""
+        state = self._piece_state
+        if state.digests is not None:
+            return state.digests
+        if self.format_version < 2:
+            raise ManifestError(
+                f"dataset {self.name!r} has a version-1 manifest without piece checksums; "
+                f"{_FIX}"
+            )
+        if self.format_version == 2:
+            with state.lock:
+                if state.digests is None:
+                    flat = [d for s in self.shards for d in s.pieces]
+                    state.digests = PieceDigests(strings=flat)
+            return state.digests
+        return state.load(self.piece_bases()[-1], self.pieces_checksum, _FIX)
+
+    def shard_pieces(self, k: int) -> tuple[str, ...]:
+        """The piece digests of shard ``k`` (every version; () in version 1)."""
+        if self.format_version < 3:
+            return self.shards[k].pieces
+        bases = self.piece_bases()
+        return tuple(self.piece_digests()[bases[k] : bases[k + 1]])
 
     @property
     def fingerprint(self) -> str:
@@ -251,15 +383,25 @@ class Manifest:
         token and document counts still pin every token): a dataset published to object
         storage under content-addressed names keeps the fingerprint of its local build.
         """
-        content = self._content()
+        cached: str | None = self.__dict__.get("_fingerprint")
+        if cached is not None:
+            return cached
+        content = self._content(pieces=False)
         del content["created"]
         if self.format_version >= 2:
             del content["piece_bytes"], content["extra_files"]
             content["tokenizer"]["file"] = None
             for shard in content["shards"]:
-                del shard["name"], shard["pieces"]
+                del shard["name"]
+        if self.format_version >= 3:
+            # Version 3 moved the pieces, which a fingerprint never covered: the same
+            # content keeps its version-2 fingerprint, so saved states resume.
+            del content["pieces_file"], content["pieces_checksum"]
+            content["format_version"] = 2
         blob = json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.blake2b(blob, digest_size=16).hexdigest()
+        fingerprint = hashlib.blake2b(blob, digest_size=16).hexdigest()
+        object.__setattr__(self, "_fingerprint", fingerprint)
+        return fingerprint
 
 
 _TOKENIZER_FIELDS = ("kind", "vocab_size", "eos_id", "file_hash", "file")

@@ -20,11 +20,8 @@ schedule, block sizes derived per source when the hello leaves them at 0.
 
 from __future__ import annotations
 
-import sys
-import threading
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -36,6 +33,12 @@ from tokenfeed.errors import ConfigError, DatasetChanged, PlanError, RequestReje
 from tokenfeed.mixture import MAX_PERIOD, Mixture, source_seed
 from tokenfeed.plan import Plan, default_block_sizes
 from tokenfeed_server.store.mixed_gather import MixedGather
+from tokenfeed_server.store.mixture_tables import (
+    SharedMixtures,
+    shared_mixtures,
+    table_bytes,
+    table_rows,
+)
 from tokenfeed_server.store.reader import Dataset
 from tokenfeed_server.store.serving import assemble, row_buffers, window_blocks
 
@@ -47,14 +50,15 @@ __all__ = [
     "Source",
     "open_feed",
     "shared_mixtures",
+    "table_bytes",
 ]
 
 IntArray = npt.NDArray[np.int64]
 
 #: Most period-table rows one mixture may need (distinct weight vectors' periods summed):
-#: the tables are built on the data plane's thread and kept while a job reads the mixture
-#: (shared by the jobs of one mixture: :class:`SharedMixtures`), 16 bytes a row, so a
-#: hello cannot make the server spend seconds and gigabytes on one schedule. Four
+#: the tables are built off the data plane's thread and kept while a job reads the
+#: mixture (shared by the jobs of one mixture: :class:`SharedMixtures`), 16 bytes a row,
+#: so a hello cannot make the server spend seconds and gigabytes on one schedule. Four
 #: segments of the largest period fit.
 MAX_TABLE_ROWS = 4 * MAX_PERIOD
 #: A mixture's :attr:`Feed.label` is cut near this many characters (it is a metric label).
@@ -80,6 +84,8 @@ class Feed:
 
     sources: tuple[Source, ...]
     mixture: Mixture | None = None
+    #: a closed job's figures (see :meth:`closed_feed`), None while a job reads the feed
+    closed: Closed | None = field(default=None, repr=False)
 
     @property
     def is_mixture(self) -> bool:
@@ -139,7 +145,33 @@ class Feed:
         ``[0, position)`` (what to hand its plan, e.g. for ``Plan.block_spans``)."""
         if self.mixture is None:
             return [position]
-        return self.mixture.counts(position)
+        if self.closed is not None and position == self.closed.position:
+            return list(self.closed.counts)
+        return self._tables().counts(position)
+
+    def closed_feed(self, position: int, consumed: int) -> Feed:
+        """This feed for a job whose last connection left, at its served ``position``
+        and ``consumed`` position: what ``/v1/jobs`` and the prefetch ask of it is
+        computed now, and its mixture is an equal object of its own without tables, so
+        the shared tables go with the last running job that reads them (a closed job
+        keeps its record, not its memory). The admission gives a job that is attached
+        again a fresh feed."""
+        if self.mixture is None or self.closed is not None:
+            return self
+        closed = Closed(
+            position, consumed, self.describe(position, consumed), self.source_positions(position)
+        )
+        bare = Mixture.from_wire(self.mixture.names, self.mixture.to_wire())
+        return Feed(self.sources, bare, closed)
+
+    def _tables(self) -> Mixture:
+        """The mixture, its tables built: they are built before a job reads them
+        (:meth:`SharedMixtures.ready`); a mixture used before that builds them here,
+        counted as ``mixture_table_builds_inline``."""
+        assert self.mixture is not None
+        if not self.mixture.tables_built:
+            shared_mixtures.note_build(self.mixture)
+        return self.mixture
 
     def describe(self, position: int, consumed: int) -> dict[str, Any]:
         """What /v1/jobs shows of the feed at served ``position`` and ``consumed``
@@ -159,7 +191,9 @@ class Feed:
         }
         if self.mixture is None:
             return view
-        served = self.mixture.counts(position)
+        if self.closed is not None and (position, consumed) == self.closed.at:
+            return self.closed.view
+        served = self._tables().counts(position)
         taken = self.mixture.counts(consumed) if consumed >= 0 else None
         view["sources"] = list(self.names)
         schedule = self.mixture.schedule
@@ -200,7 +234,7 @@ class Feed:
     @cached_property
     def _order(self) -> MixedOrder:
         assert self.mixture is not None
-        return MixedOrder(self.sources, self.mixture)
+        return MixedOrder(self.sources, self._tables())
 
     @cached_property
     def _reader(self) -> MixedGather:
@@ -222,6 +256,23 @@ class Feed:
         self._reader.gather(which, starts, length, out=out, rows=out_rows)
         rows = {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs}
         return out, {**rows, protocol.ROW_SOURCE: which}
+
+
+@dataclass(frozen=True)
+class Closed:
+    """What a closed job's feed answers without its mixture's tables: its
+    :meth:`Feed.describe` at (``position``, ``consumed``) and each source's position at
+    ``position`` (:meth:`Feed.source_positions`)."""
+
+    position: int
+    consumed: int
+    view: dict[str, Any]
+    counts: list[int]
+
+    @property
+    def at(self) -> tuple[int, int]:
+        """``(position, consumed)``."""
+        return self.position, self.consumed
 
 
 class MixedOrder:
@@ -262,73 +313,6 @@ class MixedOrder:
         return which, window_ids, epochs, starts
 
 
-# -- one table per mixture, however many jobs read it --------------------------------------
-
-
-class SharedMixtures:
-    """The mixtures live feeds read, one object per distinct mixture, so that the jobs of
-    one mixture share its period tables (up to :data:`MAX_TABLE_ROWS` rows, 16 bytes
-    each, built on first use by :meth:`Mixture.locate <tokenfeed.mixture.Mixture.locate>`)
-    and the tables are freed with the last feed that reads them.
-
-    A mixture is held while a feed made by :meth:`feed` lives (a weak reference to each
-    feed counts them), whatever drops the feed: the data plane forgetting a job, a
-    hello's throw-away feed for a job that already runs.
-    """
-
-    def __init__(self) -> None:
-        # the shared object and how many live feeds read it, by mixture (equal mixtures
-        # map every position alike: equal names and reduced segments)
-        self._held: dict[Mixture, tuple[Mixture, int]] = {}
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        """Distinct mixtures held now."""
-        return len(self._held)
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the held mixtures' tables, each counted once (see :func:`table_bytes`)."""
-        return self._bytes
-
-    def feed(self, sources: tuple[Source, ...], mixture: Mixture) -> Feed:
-        """A feed of ``sources`` reading the shared object equal to ``mixture``."""
-        with self._lock:
-            shared, holders = self._held.get(mixture, (mixture, 0))
-            if not holders:
-                self._bytes += table_bytes(mixture)
-            self._held[shared] = (shared, holders + 1)
-        feed = Feed(sources, shared)
-        # at interpreter exit nothing needs releasing (and the lock may be gone)
-        weakref.finalize(feed, self._release, shared).atexit = False
-        return feed
-
-    def _release(self, mixture: Mixture) -> None:
-        with self._lock:
-            shared, holders = self._held[mixture]
-            if holders > 1:
-                self._held[mixture] = (shared, holders - 1)
-                return
-            del self._held[mixture]
-            self._bytes -= table_bytes(mixture)
-
-
-def table_bytes(mixture: Mixture) -> int:
-    """What ``mixture``'s tables hold once built: per distinct weight vector one period
-    of (source, rank) int64 pairs, and a few int64 per segment and source (starts,
-    periods, offsets, weights and rows before each segment, the latter also as Python
-    ints)."""
-    rows = sum(sum(weights) for weights in {w for _, w in mixture.segments})
-    segments, names = len(mixture.segments), len(mixture.names)
-    per_int = sys.getsizeof(1 << 40)  # a Python int of a row count
-    return 16 * rows + segments * (3 * 8 + names * (2 * 8 + per_int))
-
-
-#: The mixtures of every live feed (see :class:`SharedMixtures`).
-shared_mixtures = SharedMixtures()
-
-
 # -- building a feed from a hello ---------------------------------------------------------
 
 
@@ -360,11 +344,11 @@ def open_feed(datasets: Sequence[Dataset], msg: protocol.Hello) -> Feed:
             mix = Mixture.from_wire(names, msg.schedule)
         except ConfigError as exc:  # PlanError too: both are the client's input
             raise RequestRejected(f"bad mixture schedule: {exc}") from None
-        table_rows = sum(sum(weights) for weights in {w for _, w in mix.segments})
-        if table_rows > MAX_TABLE_ROWS:
+        rows = table_rows(mix)
+        if rows > MAX_TABLE_ROWS:
             raise RequestRejected(
                 f"bad mixture schedule: its distinct weight vectors have periods summing to "
-                f"{table_rows} rows, over this server's {MAX_TABLE_ROWS}; use fewer distinct "
+                f"{rows} rows, over this server's {MAX_TABLE_ROWS}; use fewer distinct "
                 "weightings or coarser weights (smaller integers after reduction)"
             )
         mixture: Mixture | None = mix
@@ -383,7 +367,16 @@ def open_feed(datasets: Sequence[Dataset], msg: protocol.Hello) -> Feed:
         sources.append(Source(name, ds, plan))
     if mixture is None:
         return Feed(tuple(sources))
-    return shared_mixtures.feed(tuple(sources), mixture)
+    return shared_feed(tuple(sources), mixture)
+
+
+def shared_feed(sources: tuple[Source, ...], mixture: Mixture) -> Feed:
+    """A feed of ``sources`` reading the shared object equal to ``mixture`` (held while
+    the feed lives: see :class:`SharedMixtures`)."""
+    shared = shared_mixtures.hold(mixture)
+    feed = Feed(sources, shared)
+    shared_mixtures.release_with(feed, shared)
+    return feed
 
 
 def _plan(ds: Dataset, msg: protocol.Hello, seed: int) -> Plan:

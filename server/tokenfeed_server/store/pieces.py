@@ -104,7 +104,8 @@ class PieceList(PieceSequence):
     """The pieces of a remote dataset's shard files in order (a segment per shard)."""
 
     def __init__(self, name: str, manifest: Manifest, objects: ObjectStore) -> None:
-        super().__init__([len(shard.pieces) for shard in manifest.shards])
+        # counts from the shard sizes: the digests are read only when a ref is made
+        super().__init__(manifest.piece_counts())
         self._name = name
         self._manifest = manifest
         self._objects = objects
@@ -121,7 +122,8 @@ class PieceList(PieceSequence):
             url = self._urls[k] = self._objects.url(key)
         start = i * self._piece
         stop = min(start + self._piece, self.sizes[k])
-        return PieceRef(shard.pieces[i], key, start, stop, url, self._name)
+        digest = self._manifest.piece_digests()[self.base[k] + i]
+        return PieceRef(digest, key, start, stop, url, self._name)
 
 
 #: (dataset, first piece id, end piece id) of a remote dataset's pieces
@@ -143,5 +145,5 @@ class WantedPieces(PieceSequence):
         """The pieces' digests, in order."""
         out: list[str] = []
         for ds, first, end in self._ranges:
-            out.extend(ds.digests[first:end])
+            out.extend(ds.digests.take(range(first, end)))
         return out

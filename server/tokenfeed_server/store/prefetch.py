@@ -68,8 +68,8 @@ def wanted_ranges(
     """The piece ranges of ``dataset`` that ``plan`` reads from stream ``position`` on:
     the current block's first, then the next ``blocks - 1``; for the global shuffle the
     whole dataset if it fits in ``capacity`` bytes, else nothing."""
-    if not isinstance(dataset, RemoteDataset):
-        return []
+    if not isinstance(dataset, RemoteDataset) or not dataset.digests_ready():
+        return []  # (version 3: its digests are on their way; planned once here)
     if plan.shuffle == "global":
         if dataset.nbytes <= capacity:
             return [(dataset, 0, len(dataset.pieces))]
@@ -140,16 +140,18 @@ class Prefetcher:
         """Recompute the wanted pieces; hand them to the cache when they changed."""
         now = time.monotonic() if now is None else now
         ranges: list[PieceRange] = []
+        owners: list[str] = []  # the job of each range (its fetches are charged to it)
         for job in jobs:
             if now - job.last_active > self.active_s:
                 continue
             feed = job.feed
             for source, pos in zip(feed.sources, feed.source_positions(job.position), strict=True):
-                ranges.extend(
-                    wanted_ranges(
-                        source.dataset, source.plan, pos, self.cache.capacity, blocks=self.blocks
-                    )
+                found = wanted_ranges(
+                    source.dataset, source.plan, pos, self.cache.capacity, blocks=self.blocks
                 )
+                ranges.extend(found)
+                # charged to the job by id (a view without one: to nobody)
+                owners.extend([str(getattr(job, "id", ""))] * len(found))
         key = [(id(ds), a, b) for ds, a, b in ranges]
         if key == self._last:
             if now - self._last_sent >= self.refresh_s:
@@ -160,9 +162,10 @@ class Prefetcher:
         # Disjoint ranges (two jobs on one dataset want it once), most urgent first, within
         # the budget (the pieces' exact sizes: a shard smaller than a piece is one short one).
         chosen: list[PieceRange] = []
+        chosen_owners: list[tuple[int, str]] = []
         covered: dict[int, list[tuple[int, int]]] = {}
         total = 0
-        for ds, first, end in ranges:
+        for (ds, first, end), owner in zip(ranges, owners, strict=True):
             for lo, top in _subtract(first, end, covered.get(id(ds), [])):
                 hi = top
                 if total + ds.range_bytes(lo, hi) > self.budget:
@@ -170,7 +173,8 @@ class Prefetcher:
                 if hi <= lo:
                     continue
                 chosen.append((ds, lo, hi))
+                chosen_owners.append((hi - lo, owner))
                 covered.setdefault(id(ds), []).append((lo, hi))
                 total += ds.range_bytes(lo, hi)
         wanted = WantedPieces(chosen)
-        self.cache.want(wanted, wanted.digests())
+        self.cache.want(wanted, wanted.digests(), chosen_owners)

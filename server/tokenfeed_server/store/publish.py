@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path, PurePosixPath
@@ -45,6 +46,7 @@ from tokenfeed_server.store.objects import (
     PreconditionFailed,
 )
 from tokenfeed_server.store.reader import validate_dataset_name
+from tokenfeed_server.store.sidecar import attach_local_pieces
 from tokenfeed_server.store.versions import version_key
 
 __all__ = [
@@ -79,15 +81,30 @@ def content_name(name: str, path: Path) -> str:
 
 
 def published_names(manifest: Manifest) -> list[str]:
-    """The content-addressed name of each shard of a version-2 manifest, in order."""
+    """The content-addressed name of each shard of a version-2 or -3 manifest, in order
+    (version 3: its sidecar is read)."""
     if manifest.format_version < 2:
         raise ManifestError(
             f"dataset {manifest.name!r} has a version-{manifest.format_version} manifest "
             "without piece checksums; re-run tokenfeed-server prepare to publish it"
         )
+    digests, bases, p = manifest.piece_digests(), manifest.piece_bases(), manifest.piece_bytes
     return [
-        f"shard-{shard_content_id(manifest.piece_bytes, s.pieces)}.bin" for s in manifest.shards
+        f"shard-{shard_content_id(p, digests.raw(bases[k], bases[k + 1]))}.bin"
+        for k in range(len(manifest.shards))
     ]
+
+
+def _read_local(local_dir: Path) -> Manifest:
+    """The manifest of the local build in ``local_dir``, its sidecar (version 3) checked
+    for its size and ready to read."""
+    fd = os.open(local_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        manifest = Manifest.from_json((local_dir / MANIFEST_NAME).read_bytes())
+        attach_local_pieces(manifest, fd, local_dir)
+    finally:
+        os.close(fd)
+    return manifest
 
 
 def publish_dataset(
@@ -108,7 +125,7 @@ def publish_dataset(
     retries. ``on_upload(key, bytes)`` is called after each upload (progress, tests).
     """
     validate_dataset_name(name)
-    local = Manifest.from_json((local_dir / MANIFEST_NAME).read_bytes())
+    local = _read_local(local_dir)
     store.check_bucket()
     manifest_key = f"{name}/{MANIFEST_NAME}"
     before = store.head(manifest_key)  # the version this one replaces (If-Match)
@@ -126,10 +143,12 @@ def publish_dataset(
         remote = content_name(extra, local_dir / extra)
         extra_names[extra] = remote
         files[f"{name}/{remote}"] = local_dir / extra
+    sidecar = _add_sidecar(local, local_dir, name, files)
     outcomes = _upload_all(store, files, on_upload)
-    published = local.with_names(shard_names, extra_names)
+    published = local.with_names(shard_names, extra_names, pieces_file=sidecar)
     data = published.to_json().encode()
     published = Manifest.from_json(data)  # what readers will parse
+    published.adopt_pieces(local)
     _put_version(store, name, published.fingerprint, data)
     _put_current(store, name, data, before, published.fingerprint)
     if on_upload is not None:
@@ -146,6 +165,16 @@ def publish_dataset(
         outcomes.count(_REPLACED),
     )
     return published
+
+
+def _add_sidecar(local: Manifest, local_dir: Path, name: str, files: dict[str, Path]) -> str:
+    """Version 3: add the sidecar to ``files`` under its content name (like an extra
+    file: ``pieces-<its checksum>.bin``) and return that name ("" before version 3)."""
+    if local.format_version < 3:
+        return ""
+    sidecar = content_name(local.pieces_file, local_dir / local.pieces_file)
+    files[f"{name}/{sidecar}"] = local_dir / local.pieces_file
+    return sidecar
 
 
 def _put_version(store: ObjectStore, name: str, fingerprint: str, data: bytes) -> None:
@@ -288,8 +317,13 @@ def read_published(store: ObjectStore, name: str) -> Manifest:
             f"tokenfeed-server prepare ... --store {store.url()} --dataset {name}"
         ) from None
     try:
-        return Manifest.from_json(text)
+        manifest = Manifest.from_json(text)
     except ManifestError as exc:
         raise ManifestError(
             f"{store.url(key)}: {exc}; re-run tokenfeed-server prepare ... --overwrite"
         ) from exc
+    if manifest.format_version >= 3:
+        # read (and checked) only if a digest is needed: verify --verify, a repair
+        sidecar = f"{name}/{manifest.pieces_file}"
+        manifest.attach_pieces(lambda: store.get(sidecar), store.url(sidecar))
+    return manifest

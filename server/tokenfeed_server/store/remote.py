@@ -16,9 +16,11 @@ import numpy as np
 import numpy.typing as npt
 
 from tokenfeed.errors import DatasetNotFound, ManifestError, StoreError
+from tokenfeed_server.store.cache_rounds import Rounds, write_rows
 from tokenfeed_server.store.errors import DamagedShardObject, MissingShardObject, ObjectNotFound
 from tokenfeed_server.store.format import HEADER_SIZE, MANIFEST_NAME, is_plain_file_name
 from tokenfeed_server.store.manifest import Manifest
+from tokenfeed_server.store.piece_table import PieceDigests
 from tokenfeed_server.store.pieces import PieceList
 from tokenfeed_server.store.reader import (
     Dataset,
@@ -27,12 +29,14 @@ from tokenfeed_server.store.reader import (
     pread_exact,
     validate_dataset_name,
 )
+from tokenfeed_server.store.sidecar import attach_remote_pieces
 from tokenfeed_server.store.versions import version_key
 from tokenfeed_server.store.waiters import NotResident
 
 if TYPE_CHECKING:
     from tokenfeed_server.store.cache import PieceCache, Waiter
     from tokenfeed_server.store.objects import ObjectStore
+    from tokenfeed_server.store.remote_pieces import RemoteSidecar
 
 __all__ = [
     "PieceList",
@@ -55,7 +59,12 @@ class RemoteDataset(Dataset):
     """
 
     def __init__(
-        self, name: str, manifest: Manifest, objects: ObjectStore, cache: PieceCache
+        self,
+        name: str,
+        manifest: Manifest,
+        objects: ObjectStore,
+        cache: PieceCache,
+        sidecar: RemoteSidecar | None = None,
     ) -> None:
         super().__init__(name, Path(name), manifest)
         self.objects = objects
@@ -65,12 +74,29 @@ class RemoteDataset(Dataset):
         #: Every piece of the dataset, shard by shard, made on demand (a big dataset has
         #: millions): the global piece ids index it.
         self.pieces = PieceList(name, manifest, objects)
-        #: The digest of every piece by global id (references to the manifest's strings).
-        self.digests = [d for shard in manifest.shards for d in shard.pieces]
         self._piece_base = np.asarray(self.pieces.base, dtype=np.int64)
         self._piece_base_list = self.pieces.base
         #: Bytes of every shard file (what the whole dataset takes in a cache).
         self.nbytes = sum(s.file_size(manifest.itemsize) for s in manifest.shards)
+        #: requests too big for the cache at once, read in rounds
+        self.rounds = Rounds()
+        #: version 3: where the digests come from (fetched off the loop on first need)
+        self.sidecar = sidecar
+
+    @property
+    def digests(self) -> PieceDigests:
+        """The digest of every piece by global id: the manifest's one accessor. Version 3:
+        raises NotResident (nothing read) until the sidecar is downloaded and mapped,
+        which the first read starts (off the loop: see
+        :mod:`~tokenfeed_server.store.remote_pieces`)."""
+        if self.sidecar is not None and not self.manifest.pieces_loaded:
+            self.sidecar.park()
+        return self.manifest.piece_digests()
+
+    def digests_ready(self) -> bool:
+        """Whether the digests are here (version 3: if not, their download starts):
+        the prefetch plans only for datasets whose digests are."""
+        return self.sidecar is None or self.sidecar.ready()
 
     def __repr__(self) -> str:
         return (
@@ -158,7 +184,7 @@ class RemoteDataset(Dataset):
         """gid -> descriptor of every piece (cache lock held by the caller)."""
         ids = sorted(set(gids))
         fds = self.cache.acquire_locked(
-            [self.digests[g] for g in ids], lambda: [self.pieces[g] for g in ids]
+            self.digests.take(ids), lambda: [self.pieces[g] for g in ids]
         )
         return dict(zip(ids, fds, strict=True))
 
@@ -180,16 +206,31 @@ class RemoteDataset(Dataset):
     ) -> None:
         """:meth:`Dataset._gather` from the cache (NotResident, nothing read, if pieces
         are missing): every row into ``rows`` when given, else into ``out``'s rows."""
+        self._check_open()
+        plan = self._plan_rows(starts_arr, length)
+        if self.rounds.needed(self, len(plan.ids)):  # more than the cache takes at once
+            write_rows(self.rounds.gather(self, starts_arr, length, self._gather_all), out, rows)
+        else:
+            self._gather_plan(plan, length, out, rows)
+
+    def _gather_all(self, starts: npt.NDArray[np.int64], length: int, out: np.ndarray) -> None:
+        """Every row into ``out`` at once (one round of :class:`Rounds`)."""
+        self._gather_plan(self._plan_rows(starts, length), length, out, None)
+
+    def _gather_plan(
+        self,
+        plan: _RowPlan,
+        length: int,
+        out: np.ndarray | None,
+        rows: Sequence[tuple[Any]] | None,
+    ) -> None:
         import errno
 
-        self._check_open()
         row = length * self.dtype.itemsize
-        plan = self._plan_rows(starts_arr, length)
         with self.cache.lock:
             id_list = plan.ids.tolist()
-            digests = self.digests
             fd_list = self.cache.acquire_locked(
-                [digests[g] for g in id_list], lambda: [self.pieces[g] for g in id_list]
+                self.digests.take(id_list), lambda: [self.pieces[g] for g in id_list]
             )
             fd_arr = np.asarray(fd_list, dtype=np.int64)
             fds_simple = fd_arr[np.searchsorted(plan.ids, plan.g0)].tolist()
@@ -293,6 +334,7 @@ class RemoteDataset(Dataset):
     def close(self) -> None:
         """Forget the dataset (the cache keeps its pieces; they are shared by builds)."""
         super().close()
+        self.rounds.clear()
 
 
 @dataclass
@@ -353,8 +395,9 @@ def list_remote_datasets(objects: ObjectStore) -> dict[str, tuple[str, int]]:
 def open_remote_dataset(
     objects: ObjectStore, cache: PieceCache, name: str, *, fingerprint: str | None = None
 ) -> RemoteDataset:
-    """Open dataset ``name`` of a remote store: read and check its manifest (version 2,
-    with per-piece digests), and check that every shard object exists with its size.
+    """Open dataset ``name`` of a remote store: read and check its manifest (version 2 or
+    3, with per-piece digests), and check that every shard object (and the version-3
+    sidecar) exists with its size; the sidecar is fetched when a digest is first needed.
 
     The current version (``NAME/manifest.json``), or with ``fingerprint`` that kept version
     (``NAME/versions/<fingerprint>.json``, see :mod:`~tokenfeed_server.store.versions`):
@@ -390,6 +433,7 @@ def open_remote_dataset(
             "says (written by hand?); delete it, or re-run the prepare of that build"
         )
     sizes = {info.key: info.size for info in objects.list(f"{name}/")}
+    sidecar = attach_remote_pieces(manifest, objects, name, sizes, cache)
     itemsize = manifest.itemsize
     for shard in manifest.shards:
         key = f"{name}/{shard.name}"
@@ -405,7 +449,7 @@ def open_remote_dataset(
                 f"{objects.url(key)}: object has {size} bytes, the manifest says {expected}; "
                 "re-run tokenfeed-server prepare ... --overwrite"
             )
-    return RemoteDataset(name, manifest, objects, cache)
+    return RemoteDataset(name, manifest, objects, cache, sidecar)
 
 
 def _sorted_unique(a: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

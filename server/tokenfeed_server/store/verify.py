@@ -30,7 +30,9 @@ from tokenfeed_server.store.errors import ObjectNotFound, ObjectTruncated
 from tokenfeed_server.store.format import CHECKSUM_ALGO, HEADER_SIZE, MANIFEST_NAME, piece_digest
 from tokenfeed_server.store.manifest import Manifest
 from tokenfeed_server.store.objects import ObjectStore
+from tokenfeed_server.store.piece_table import PieceDigests, sidecar_checksum
 from tokenfeed_server.store.publish import content_name
+from tokenfeed_server.store.sidecar import sidecar_bytes
 
 __all__ = [
     "DEFAULT_THREADS",
@@ -120,17 +122,25 @@ class _Object:
     digest: str | None = None  # an extra file's blake2b-128, from its name
 
 
-def _published_objects(name: str, manifest: Manifest) -> list[_Object]:
-    """Every object ``manifest`` names, once each (equal shards share one object)."""
+def _published_objects(name: str, manifest: Manifest, with_pieces: bool) -> list[_Object]:
+    """Every object ``manifest`` names, once each (equal shards share one object); the
+    shards' piece digests only ``with_pieces`` (version 3: they are read from the
+    sidecar, which must then be intact). The version-3 sidecar is checked like an extra
+    file: its name carries its hash."""
     if manifest.format_version < 2 or not manifest.piece_bytes:
         raise ManifestError(
             f"dataset {name!r}: version-{manifest.format_version} manifest has no piece "
             "checksums to verify"
         )
     found: dict[str, _Object] = {}
-    for shard in manifest.shards:
+    for k, shard in enumerate(manifest.shards):
         key = f"{name}/{shard.name}"
-        found.setdefault(key, _Object(key, shard.file_size(manifest.itemsize), shard.pieces))
+        if key not in found:
+            pieces = manifest.shard_pieces(k) if with_pieces else ()
+            found[key] = _Object(key, shard.file_size(manifest.itemsize), pieces)
+    if manifest.format_version >= 3:
+        key = f"{name}/{manifest.pieces_file}"
+        found[key] = _Object(key, None, digest=manifest.pieces_checksum.partition(":")[2])
     for extra in manifest.extra_files:
         match = _NAMED_HASH.search(extra)
         key = f"{name}/{extra}"
@@ -153,8 +163,22 @@ def verify_published(
     ``threads`` requests at once). Every object that does not verify is in the report's
     findings; a request that fails otherwise (storage down) raises its ObjectStoreError.
     """
-    objects = [o for o in _published_objects(name, manifest) if keys is None or o.key in keys]
-    report = VerifyReport(objects=len(objects))
+    sidecar: Finding | None = None
+    if pieces and manifest.format_version >= 3:
+        try:
+            manifest.piece_digests()
+        except ManifestError as exc:  # shards then checked for presence and size only
+            key = f"{name}/{manifest.pieces_file}"
+            sidecar = _finding(store, key, "damaged", str(exc))
+    with_pieces = pieces and sidecar is None
+    objects = [
+        o
+        for o in _published_objects(name, manifest, with_pieces)
+        if (keys is None or o.key in keys) and (sidecar is None or o.key != sidecar.key)
+    ]
+    report = VerifyReport(objects=len(objects) + (sidecar is not None))
+    if sidecar is not None:
+        report.findings.append(sidecar)
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="tokenfeed-verify") as pool:
         sizes = list(pool.map(lambda o: store.head(o.key), objects))
         present: list[tuple[_Object, int]] = []
@@ -361,8 +385,13 @@ def _local_files(name: str, manifest: Manifest, local: Manifest, local_dir: Path
     in the same order (each is checked piece by piece before it is uploaded); an extra
     file is found by the content name its bytes give."""
     files: _LocalFiles = {}
-    for mine, theirs in zip(local.shards, manifest.shards, strict=True):
-        files.setdefault(f"{name}/{theirs.name}", (local_dir / mine.name, theirs.pieces))
+    for k, (mine, theirs) in enumerate(zip(local.shards, manifest.shards, strict=True)):
+        key = f"{name}/{theirs.name}"
+        if key not in files:
+            files[key] = (local_dir / mine.name, manifest.shard_pieces(k))
+    if local.format_version >= 3 and manifest.format_version >= 3:
+        sidecar = local_dir / local.pieces_file
+        files.setdefault(f"{name}/{manifest.pieces_file}", (sidecar, ()))
     for extra in local.extra_files:
         path = local_dir / extra
         if path.is_file():
@@ -412,8 +441,10 @@ def verify_local(
     size and, with ``checksums``, its bytes (piece digests for a version-2 dataset, the
     shard checksum for version 1) and the tokenizer file's hash. Lists every finding."""
     report = VerifyReport(objects=len(manifest.shards) + len(manifest.extra_files))
+    digests = _local_sidecar(dataset_dir, manifest, report, checksums)
+    bases = manifest.piece_bases()
     readable: list[tuple[Path, int, tuple[str, ...], str]] = []
-    for shard in manifest.shards:
+    for k, shard in enumerate(manifest.shards):
         path = dataset_dir / shard.name
         size = shard.file_size(manifest.itemsize)
         try:
@@ -425,7 +456,9 @@ def verify_local(
             detail = f"{actual:,} bytes, the manifest says {size:,}"
             report.findings.append(Finding(str(path), shard.name, "damaged", detail))
             continue
-        readable.append((path, size, shard.pieces, shard.checksum))
+        # version 3 with a bad sidecar: the whole-shard checksum instead of the pieces
+        pieces = shard.pieces if digests is None else tuple(digests[bases[k] : bases[k + 1]])
+        readable.append((path, size, pieces, shard.checksum))
     for extra in manifest.extra_files:
         if not (dataset_dir / extra).is_file():
             report.findings.append(
@@ -444,6 +477,37 @@ def verify_local(
         _check_tokenizer_file(dataset_dir, manifest, report)
     report.findings.sort(key=lambda f: f.key)
     return report
+
+
+def _local_sidecar(
+    dataset_dir: Path, manifest: Manifest, report: VerifyReport, checksums: bool
+) -> PieceDigests | None:
+    """A version-3 dataset's sidecar: present with its size, and (``checksums``) read and
+    checked; its digests, or None (a finding says why) and the shards are checked by
+    their whole checksums."""
+    if manifest.format_version < 3:
+        return None
+    report.objects += 1
+    path = dataset_dir / manifest.pieces_file
+    want = sidecar_bytes(manifest)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        report.findings.append(Finding(str(path), path.name, "missing", "no such file"))
+        return None
+    if size != want:
+        detail = f"{size:,} bytes, the manifest says {want:,}"
+        report.findings.append(Finding(str(path), path.name, "damaged", detail))
+        return None
+    if not checksums:
+        return None
+    raw = path.read_bytes()
+    actual = sidecar_checksum(raw)
+    if actual != manifest.pieces_checksum:
+        detail = f"checksum mismatch ({actual} != manifest {manifest.pieces_checksum})"
+        report.findings.append(Finding(str(path), path.name, "damaged", detail))
+        return None
+    return PieceDigests(raw=raw)
 
 
 def _local_problem(

@@ -18,11 +18,12 @@ import hashlib
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import IO, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -32,20 +33,17 @@ from tokenfeed.errors import DatasetExists, PrepareError, StoreError
 from tokenfeed_server.store.format import (
     CHECKSUM_ALGO,
     DEFAULT_PIECE_BYTES,
-    DTYPE_CODES,
-    HEADER_SIZE,
-    MAGIC,
+    DIGEST_BYTES,
     MANIFEST_NAME,
     MANIFEST_VERSION,
     MIN_PIECE_BYTES,
-    SHARD_VERSION,
+    PIECES_NAME,
     TEMP_PREFIX,
-    ShardHeader,
-    index_offset,
     is_plain_file_name,
 )
 from tokenfeed_server.store.manifest import Manifest, ShardInfo, TokenizerInfo
 from tokenfeed_server.store.reader import validate_dataset_name
+from tokenfeed_server.store.shard_file import ShardFile
 from tokenfeed_server.store.versions import build_fingerprint, retire_local_build
 
 __all__ = [
@@ -65,7 +63,8 @@ _STAGING_PREFIX = ".init-"
 _held_locks: dict[Path, int] = {}
 # add() batches small documents so the per-document cost is a list append, not numpy calls.
 _PENDING_TOKENS = 1 << 20
-_READ_CHUNK = 1 << 16
+#: the manifest versions a writer can write (1 has no piece checksums: never written)
+_WRITABLE = (2, 3)
 
 
 def make_temp_dir(store: str | os.PathLike[str], label: str) -> Path:
@@ -163,105 +162,6 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-class _PieceHasher:
-    """The piece digests of a file written front to back, except its header, written last.
-
-    Every piece but the first is hashed as its bytes go by. Piece 0 holds the header,
-    known only at the end, so :meth:`finish` hashes it from the file then (at most
-    ``piece_bytes``, still in the page cache, read in small chunks): keeping a copy
-    instead would cost a whole piece of memory per shard, as much as prepare's whole
-    budget at its smallest.
-    """
-
-    def __init__(self, piece_bytes: int) -> None:
-        self.piece_bytes = piece_bytes
-        self.digests: list[str] = []
-        self.current: Any = None  # the hasher of the piece being filled (after piece 0)
-        self.offset = HEADER_SIZE  # file offset of the next byte
-
-    def update(self, data: memoryview | bytes) -> None:
-        view = memoryview(data).cast("B")
-        while len(view):
-            piece, within = divmod(self.offset, self.piece_bytes)
-            take = min(len(view), self.piece_bytes - within)
-            if piece > 0:
-                if within == 0:
-                    if self.current is not None:
-                        self.digests.append(self.current.hexdigest())
-                    self.current = hashlib.blake2b(digest_size=16)
-                self.current.update(view[:take])
-            view = view[take:]
-            self.offset += take
-
-    def finish(self, pread: Callable[[int, int], bytes]) -> tuple[str, ...]:
-        """All the digests; ``pread(size, offset)`` reads the finished file."""
-        first = hashlib.blake2b(digest_size=16)
-        offset, end = 0, min(self.piece_bytes, self.offset)
-        while offset < end:
-            chunk = pread(min(_READ_CHUNK, end - offset), offset)
-            if not chunk:
-                raise StoreError("shard file shorter than written while hashing its pieces")
-            first.update(chunk)
-            offset += len(chunk)
-        tail = [self.current.hexdigest()] if self.current is not None else []
-        return (first.hexdigest(), *self.digests, *tail)
-
-
-class _ShardFile:
-    """One shard being written: body streamed and hashed, header written last."""
-
-    def __init__(self, path: Path, dtype: str, piece_bytes: int) -> None:
-        self.path = path
-        self.dtype = dtype
-        self.tokens = 0
-        self.starts: list[np.ndarray] = []
-        self.hasher = hashlib.blake2b(digest_size=16)
-        self.pieces = _PieceHasher(piece_bytes)
-        self.file = path.open("w+b")  # read too: piece 0, once the header is in
-        self.file.write(b"\0" * HEADER_SIZE)
-
-    def write(self, tokens: np.ndarray, starts: np.ndarray) -> None:
-        data = np.ascontiguousarray(tokens).data.cast("B")
-        self.file.write(data)
-        self.hasher.update(data)
-        self.pieces.update(data)
-        if len(starts):
-            self.starts.append(starts + self.tokens)
-        self.tokens += len(tokens)
-
-    def finish(self) -> ShardInfo:
-        itemsize = DTYPES[self.dtype].itemsize
-        body_end = index_offset(self.tokens, itemsize)
-        pad = body_end - HEADER_SIZE - self.tokens * itemsize
-        index = (
-            np.concatenate(self.starts).astype("<u8") if self.starts else np.empty(0, dtype="<u8")
-        )
-        tail = b"\0" * pad + index.tobytes()
-        self.file.write(tail)
-        self.hasher.update(tail)
-        self.pieces.update(tail)
-        header = ShardHeader(
-            MAGIC, SHARD_VERSION, DTYPE_CODES[self.dtype], self.tokens, len(index), body_end
-        ).pack()
-        self.file.seek(0)
-        self.file.write(header)
-        self.file.flush()
-        fd = self.file.fileno()
-        pieces = self.pieces.finish(lambda size, offset: os.pread(fd, size, offset))
-        os.fsync(fd)
-        self.file.close()
-        return ShardInfo(
-            name=self.path.name,
-            tokens=self.tokens,
-            documents=len(index),
-            checksum=f"{CHECKSUM_ALGO}:{self.hasher.hexdigest()}",
-            pieces=pieces,
-        )
-
-    def close(self) -> None:
-        self.file.close()
-
-
 class BuildTarget(Protocol):
     """What :meth:`DatasetWriter.for_build` reads of a prepare run's settings."""
 
@@ -281,13 +181,38 @@ class BuildTarget(Protocol):
     def overwrite(self) -> bool: ...
 
 
+class _Sidecar:
+    """The version-3 sidecar being written: each shard's raw piece digests appended as
+    the shard is finished (nothing held in memory), hashed on the way."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file: IO[bytes] = path.open("wb")
+        self.hasher = hashlib.blake2b(digest_size=16)
+        self.count = 0
+
+    def write(self, raw: bytes) -> None:
+        self.file.write(raw)
+        self.hasher.update(raw)
+        self.count += len(raw) // DIGEST_BYTES
+
+    def finish(self) -> str:
+        """fsync and close; the checksum the manifest lists."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return f"{CHECKSUM_ALGO}:{self.hasher.hexdigest()}"
+
+
 class DatasetWriter:
     """Streams documents into a new dataset, atomically.
 
     Everything goes to ``<store>/.tmp-<name>-...``; :meth:`commit` fsyncs and renames it
     into place, :meth:`abort` (or leaving the ``with`` block by an exception) removes it.
     Documents are given *without* EOS: the writer appends ``tokenizer.eos_id`` to each.
-    The manifest is version 2: per shard the checksums of its pieces of ``piece_bytes``.
+    The manifest is version 3 unless ``format_version=2``: the checksums of every piece
+    of ``piece_bytes`` in the sidecar :data:`~tokenfeed_server.store.format.PIECES_NAME`
+    (version 2: in the manifest, per shard).
     """
 
     def __init__(
@@ -301,8 +226,12 @@ class DatasetWriter:
         overwrite: bool = False,
         extra_files: Mapping[str, Path] | None = None,
         piece_bytes: int = DEFAULT_PIECE_BYTES,
+        format_version: int = MANIFEST_VERSION,
     ) -> None:
         self.store = Path(store)
+        if format_version not in _WRITABLE:
+            raise ValueError(f"format_version must be one of {_WRITABLE}, got {format_version}")
+        self.format_version = format_version
         self.name = validate_dataset_name(name)
         self.final_path = self.store / name
         if shard_tokens < 1:
@@ -318,7 +247,7 @@ class DatasetWriter:
         for extra in self.extra_files:
             if (
                 not is_plain_file_name(extra)
-                or extra == MANIFEST_NAME
+                or extra in (MANIFEST_NAME, PIECES_NAME)
                 or extra.startswith("shard-")
             ):
                 raise ValueError(f"extra file name {extra!r} is not allowed")
@@ -327,7 +256,12 @@ class DatasetWriter:
         self._check_exists()
         self.tmp = make_temp_dir(self.store, name)
         self._shards: list[ShardInfo] = []
-        self._current: _ShardFile | None = None
+        self._current: ShardFile | None = None
+        try:
+            self._sidecar = _Sidecar(self.tmp / PIECES_NAME) if format_version >= 3 else None
+        except BaseException:
+            remove_temp_dir(self.tmp)
+            raise
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
         self._documents = 0
@@ -440,22 +374,33 @@ class DatasetWriter:
         while pos < n:
             if self._current is None:
                 shard_path = self.tmp / f"shard-{len(self._shards):06d}.bin"
-                self._current = _ShardFile(shard_path, self.dtype_name, self.piece_bytes)
+                self._current = ShardFile(shard_path, self.dtype_name, self.piece_bytes)
             take = min(self.shard_tokens - self._current.tokens, n - pos)
             a = int(np.searchsorted(starts, pos, side="left"))
             b = int(np.searchsorted(starts, pos + take, side="left"))
             self._current.write(tokens[pos : pos + take], starts[a:b] - pos)
             pos += take
             if self._current.tokens >= self.shard_tokens:
-                self._shards.append(self._current.finish())
-                self._current = None
+                self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        assert self._current is not None
+        info, raw = self._current.finish()
+        self._current = None
+        if self._sidecar is not None:
+            self._sidecar.write(raw)
+        else:
+            digests = tuple(
+                raw[i : i + DIGEST_BYTES].hex() for i in range(0, len(raw), DIGEST_BYTES)
+            )
+            info = replace(info, pieces=digests)
+        self._shards.append(info)
 
     def commit(self) -> Manifest:
         """Finish the last shard, write the manifest, fsync, and rename into place."""
         self._flush_pending()
         if self._current is not None:
-            self._shards.append(self._current.finish())
-            self._current = None
+            self._finish_shard()
         if not self._shards:
             self.abort()
             raise PrepareError(f"dataset {self.name!r} would be empty: no documents were given")
@@ -464,8 +409,9 @@ class DatasetWriter:
                 shutil.copyfile(source, self.tmp / extra)
                 with (self.tmp / extra).open("rb") as f:
                     os.fsync(f.fileno())
+            sidecar = self._sidecar.finish() if self._sidecar is not None else ""
             manifest = Manifest(
-                format_version=MANIFEST_VERSION,
+                format_version=self.format_version,
                 name=self.name,
                 dtype=self.dtype_name,
                 tokenizer=self.tokenizer,
@@ -476,6 +422,8 @@ class DatasetWriter:
                 created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 extra_files=tuple(sorted(self.extra_files)),
                 piece_bytes=self.piece_bytes,
+                pieces_file=PIECES_NAME if sidecar else "",
+                pieces_checksum=sidecar,
             )
             with (self.tmp / MANIFEST_NAME).open("w", encoding="utf-8") as f:
                 f.write(manifest.to_json())
@@ -491,6 +439,9 @@ class DatasetWriter:
             raise
         self._done = True
         release_temp_dir(self.tmp)
+        if self._sidecar is not None:
+            path = self.final_path / PIECES_NAME
+            manifest.attach_pieces(path.read_bytes, str(path))
         return manifest
 
     def _publish(self, fingerprint: str) -> None:
@@ -531,6 +482,8 @@ class DatasetWriter:
         if self._current is not None:
             self._current.close()
             self._current = None
+        if self._sidecar is not None:
+            self._sidecar.file.close()
         self._pending.clear()
         remove_temp_dir(self.tmp)
 
@@ -546,6 +499,7 @@ def write_dataset(
     overwrite: bool = False,
     extra_files: Mapping[str, Path] | None = None,
     piece_bytes: int = DEFAULT_PIECE_BYTES,
+    format_version: int = MANIFEST_VERSION,
 ) -> Manifest:
     """Write ``documents`` (token arrays without EOS) as dataset ``name``, atomically.
 
@@ -562,6 +516,7 @@ def write_dataset(
         overwrite=overwrite,
         extra_files=extra_files,
         piece_bytes=piece_bytes,
+        format_version=format_version,
     ) as writer:
         for document in documents:
             writer.add(document)

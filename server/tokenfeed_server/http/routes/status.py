@@ -45,6 +45,7 @@ def status(state: State, who: Caller) -> StatusView:
         started=state.started,
         uptime_s=round(time.time() - state.started, 1),
         connections=snap["connections"] if everything else None,
+        unattached=snap.get("unattached", 0) if everything else None,
         counters=snap["counters"] if everything else None,
         config=ConfigView.model_validate(config),
         cache=CacheView.model_validate(cache.stats()) if cache is not None else None,

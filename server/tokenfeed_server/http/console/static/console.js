@@ -148,6 +148,28 @@
     return td;
   }
 
+  /**
+   * The run id, and the steps it skipped on purpose at a resume (after a loss spike):
+   * each [position, samples] range as global steps, the positions in the tooltip.
+   */
+  function runCell(job) {
+    const td = cell("run", job.run || "—", job.run ? undefined : "muted");
+    const ranges = job.skipped || [];
+    if (ranges.length === 0) return td;
+    const step = job.batch_size * job.world_size;
+    const steps = ranges.map(([at, n]) => {
+      const first = Math.floor(at / step);
+      const last = Math.floor((at + n - 1) / step);
+      return first === last ? `${first}` : `${first}–${last}`;
+    });
+    const badge = el("span", `skipped steps ${steps.join(", ")}`, "badge warn");
+    badge.dataset.field = "skipped";
+    badge.title = "skipped on purpose at a resume (never trained on): positions " +
+      ranges.map(([at, n]) => `${int(at)}–${int(at + n - 1)}`).join(", ");
+    td.append(" ", badge);
+    return td;
+  }
+
   /** When the job's last request came, or when it ended (and whether it is forgotten). */
   function lastCell(job) {
     if (job.ended === null || job.ended === undefined) return cell("idle", duration(job.idle_s));
@@ -183,7 +205,7 @@
         cell("tenant", job.tenant),
         cell("dataset", job.dataset),
         kindCell(job),
-        cell("run", job.run || "—", job.run ? undefined : "muted"),
+        runCell(job),
         cell("plan", plan),
         cell("workers", job.workers, "num"),
         cell("consumed", consumed, "num"),

@@ -1,0 +1,184 @@
+"""Shared-memory rings: the door, the ring's flow control, and the whole path.
+
+The door and the ring are real (a Unix socket, an anonymous memory file passed with
+SCM_RIGHTS, two mappings of it); the end-to-end tests run a real server process and
+compare what a trainer on a ring gets with what one on TCP gets, byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from live_server import LiveServer
+from shard_data import BYTE, random_docs
+from tokenfeed.protocol import JobSpec
+from tokenfeed.transport.client import ClientOptions, FeedClient, Request
+from tokenfeed.transport.ring import attach, is_local_endpoint
+from tokenfeed_server.dataplane.rings import HEADER_BYTES, Ring, RingDoor, Rings, open_rings
+from tokenfeed_server.store import write_dataset
+
+
+@pytest.fixture
+def door(tmp_path: Path) -> Iterator[RingDoor]:
+    opened = RingDoor(tmp_path / "door.sock").start()
+    yield opened
+    opened.stop()
+
+
+def test_a_ring_is_handed_once_to_the_holder_of_its_key(door: RingDoor) -> None:
+    ring = Ring(1 << 20)
+    key = door.offer(ring, "alice-0")
+    assert attach(str(door.path), "0" * 64) is None  # a guessed key
+    mine = attach(str(door.path), key)
+    assert mine is not None and ring.attached
+    assert attach(str(door.path), key) is None  # a key works once
+    assert (door.handed, door.refused) == (1, 2)
+    mine.close()
+    ring.close()
+
+
+def test_a_ring_not_attached_is_never_written(door: RingDoor) -> None:
+    ring = Ring(1 << 20)
+    door.offer(ring, "x")
+    assert ring.put(np.zeros((2, 8), np.uint16)) is None
+    ring.close()
+
+
+def test_a_door_that_does_not_know_the_proof_is_not_trusted(tmp_path: Path) -> None:
+    """Someone else's socket at the door's path gets the nonce but cannot answer the
+    proof: the client keeps to TCP rather than read a ring of theirs as tokens."""
+    path = tmp_path / "fake.sock"
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fake.bind(str(path))
+    fake.listen(1)
+    their_fd = os.memfd_create("theirs")
+    os.ftruncate(their_fd, 1 << 20)
+
+    def impostor() -> None:
+        conn, _ = fake.accept()
+        with conn:
+            conn.recv(32)
+            socket.send_fds(conn, [b"ok" + b"f" * 32], [their_fd])
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    assert attach(str(path), "a" * 32 + "b" * 32) is None
+    thread.join(5)
+    fake.close()
+    os.close(their_fd)
+
+
+def test_chunks_wrap_around_the_ring_and_never_overwrite_unreleased_bytes(
+    door: RingDoor,
+) -> None:
+    ring = Ring(HEADER_BYTES + (32 << 10))
+    client = attach(str(door.path), door.offer(ring, "c"))
+    assert client is not None
+    rng = np.random.default_rng(0)
+    pending: list[tuple[np.ndarray, tuple[int, int]]] = []
+    placed = refused = 0
+    for i in range(400):
+        tokens = rng.integers(0, 65535, size=(int(rng.integers(1, 9)), 517), dtype=np.uint16)
+        where = ring.put(tokens)
+        if where is None:  # full: the server would send this one over TCP
+            refused += 1
+        else:
+            placed += 1
+            pending.append((tokens, where))
+        # the trainer lags behind, then catches up: every byte it reads is intact
+        if len(pending) > 8 or (where is None and pending):
+            want, (offset, end) = pending.pop(0)
+            got = np.frombuffer(client.take(offset, end, want.nbytes), np.uint16)
+            assert np.array_equal(got, want.reshape(-1)), i
+    assert placed > 200 and refused > 0
+    client.close()
+    ring.close()
+
+
+def test_a_trainer_claiming_more_than_was_written_loses_its_ring(door: RingDoor) -> None:
+    ring = Ring(1 << 20)
+    client = attach(str(door.path), door.offer(ring, "c"))
+    assert client is not None
+    offset, end = ring.put(np.ones((1, 8), np.uint16)) or (0, 0)
+    client.take(offset, end + 10**9, 16)  # nonsense: released past what was allocated
+    assert ring.put(np.ones((1, 8), np.uint16)) is None  # TCP from now on
+    client.close()
+
+
+def test_rings_of_forgotten_connections_are_closed(tmp_path: Path) -> None:
+    rings = open_rings(str(tmp_path / "d.sock"), 1 << 20)
+    try:
+        door_path, key = rings.offer(b"a", "a")
+        rings.offer(b"b", "b")
+        assert door_path and len(key) == 64 and len(rings) == 2
+        rings.sweep({b"b"})
+        assert len(rings) == 1
+        assert attach(door_path, key) is None  # the closed ring's offer went with it
+    finally:
+        rings.close()
+    assert not (tmp_path / "d.sock").exists()
+
+
+def test_an_automatic_door_lives_in_a_private_directory() -> None:
+    rings = open_rings("auto", 1 << 20)
+    try:
+        assert rings.door is not None
+        where = rings.door.path.parent
+        assert where.stat().st_mode & 0o777 == 0o711  # others may enter, not list or add
+    finally:
+        rings.close()
+    assert not where.exists()
+    assert Rings(None, 1 << 20).offer(b"x", "x") == ("", "")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "local"),
+    [
+        ("tcp://127.0.0.1:7400", True),
+        ("tcp://localhost:7400", True),
+        ("ipc:///tmp/x", True),
+        ("tcp://192.0.2.1:7400", False),  # TEST-NET-1: never an address of this host
+        ("tcp://no-such-host.invalid:7400", False),
+    ],
+)
+def test_a_ring_is_asked_for_only_on_this_host(endpoint: str, local: bool) -> None:
+    assert is_local_endpoint(endpoint) is local
+
+
+# -- the whole path ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    store = tmp_path_factory.mktemp("store")
+    write_dataset(store, "alpha", random_docs(300), shuffle_seed=3, tokenizer=BYTE)
+    with LiveServer(store, extra=["--ring-size", "1MiB"]) as srv:
+        yield srv
+
+
+def _read(server: LiveServer, *, ring: bool, batches: int = 64) -> list[np.ndarray]:
+    options = ClientOptions(shared_memory=ring, window=4)
+    job = JobSpec("alpha", 63, 4, 7, 1)
+    with FeedClient(server.zmq, job, rank=0, worker=0, options=options) as client:
+        count = client.hello().max_count
+        assert bool(client.welcome and client.welcome.ring_door) is ring
+        reqs = [Request(pos=i * 4, count=min(count, batches - i)) for i in range(0, batches, count)]
+        return [np.array(a.tokens) for a in client.stream(reqs)]
+
+
+@pytest.mark.network
+def test_a_trainer_on_the_ring_gets_exactly_what_tcp_gives(server: LiveServer) -> None:
+    before = server.settled_counter("ring_chunks")
+    over_ring = _read(server, ring=True)
+    assert server.settled_counter("ring_chunks") > before  # the ring carried them
+    over_tcp = _read(server, ring=False)
+    assert len(over_ring) == len(over_tcp) > 0
+    for a, b in zip(over_ring, over_tcp, strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
