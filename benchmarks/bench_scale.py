@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,7 +52,9 @@ SHARD_BYTES = 20 * TB // 150_000  # the issue's 20 TB in 150,000 shards: ~133 MB
 Row = dict[str, Any]
 
 
-def serve(store: Path, names: Sequence[str], extra: Sequence[str] = ()) -> tuple[ServerProcess, float]:
+def serve(
+    store: Path, names: Sequence[str], extra: Sequence[str] = ()
+) -> tuple[ServerProcess, float]:
     """A started server on ``store`` and the seconds until it listed ``names``."""
     t0 = time.perf_counter()
     srv = ServerProcess(store, extra=list(extra)).start(timeout=600)
@@ -61,7 +64,7 @@ def serve(store: Path, names: Sequence[str], extra: Sequence[str] = ()) -> tuple
 
 def measure(srv: ServerProcess, drive: Callable[[Driver], int]) -> Row:
     """Run ``drive`` (which attaches and pumps, returning batches served) and read the
-    server's figures around it."""
+    server's figures while its connections are still open."""
     pid = srv.proc.pid
     driver = Driver(srv.zmq)
     try:
@@ -69,15 +72,19 @@ def measure(srv: ServerProcess, drive: Callable[[Driver], int]) -> Row:
         batches = drive(driver)
         cpu = cpu_s(pid) - cpu0
         driver.drain()
+        time.sleep(0.6)  # the snapshot behind /metrics refreshes every 0.5 s
+        t0 = time.perf_counter()
+        httpx.get(f"{srv.http}/v1/datasets", timeout=60).raise_for_status()
+        row = {
+            "list_call_s": round(time.perf_counter() - t0, 3),
+            "anon_mb": round(anon_mb(pid), 1),
+            "open_files": open_files(pid),
+            "cpu_ms_per_batch": round(1000 * cpu / max(1, batches), 3),
+            "busiest_turn_ms": round(1000 * busiest_turn_s(srv.http), 1),
+        }
     finally:
         driver.close()
-    time.sleep(0.6)  # the snapshot behind /metrics refreshes every 0.5 s
-    return {
-        "anon_mb": round(anon_mb(pid), 1),
-        "open_files": open_files(pid),
-        "cpu_ms_per_batch": round(1000 * cpu / max(1, batches), 3),
-        "busiest_turn_ms": round(1000 * busiest_turn_s(srv.http), 1),
-    }
+    return row
 
 
 def first_batch(spec: JobSpec, batches: int) -> Callable[[Driver], int]:
@@ -147,7 +154,7 @@ def jobs_rows(root: Path, jobs: int, conns: int, batches: int) -> list[Row]:
     make_dataset(store, "web", shards=8, apparent_bytes=8 * SHARD_BYTES)
     rows = []
     for n_jobs, n_conns in ((1, 1), (jobs, conns)):
-        srv, listed = serve(store, ["web"], extra=["--max-jobs", str(max(256, jobs))])
+        srv, _ = serve(store, ["web"], extra=["--max-jobs", str(max(256, jobs))])
         per_job = max(1, n_conns // n_jobs)
 
         def drive(driver: Driver, n_jobs: int = n_jobs, per_job: int = per_job) -> int:
@@ -208,12 +215,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if "size" in only:
-            rows += size_rows(root, (0.01, 0.1) if quick else (0.01, 1, 10, 20), 20 if quick else 200)
+            rows += size_rows(
+                root, (0.01, 0.1) if quick else (0.01, 1, 10, 20), 20 if quick else 200
+            )
         if "datasets" in only:
             rows.append(many_datasets_row(root, 20 if quick else 1000))
             print(json.dumps(rows[-1]), flush=True)
         if "jobs" in only:
-            rows += jobs_rows(root, 8 if quick else 256, 32 if quick else 4096, 200 if quick else 4096)
+            rows += jobs_rows(
+                root, 8 if quick else 256, 32 if quick else 4096, 200 if quick else 4096
+            )
         if "mixture" in only:
             rows.append(mixture_row(root, 4 if quick else 64, 20 if quick else 200))
             print(json.dumps(rows[-1]), flush=True)

@@ -96,26 +96,36 @@ class Driver:
         self.ctx.set(zmq.MAX_SOCKETS, 65536)
 
     def attach(self, spec: protocol.JobSpec, workers: int, timeout: float = 120) -> None:
-        """Open ``workers`` connections to the job of ``spec`` and say hello on each."""
+        """Open ``workers`` connections to the job of ``spec`` and say hello on each
+        (again after a retryable refusal, e.g. a mixture whose tables are being built)."""
         fresh = []
         for w in range(workers):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.endpoint)
-            hello = protocol.Hello(
-                dataset=spec.dataset, seq_len=spec.seq_len, batch_size=spec.batch_size,
-                seed=spec.seed, world_size=1, rank=0, worker=w, window=4,
-                client=f"scale-{len(self.conns) + w}", sources=spec.sources,
-                schedule=spec.schedule, shuffle=spec.shuffle,
-            )  # fmt: skip
-            sock.send(hello.header())
-            fresh.append(Conn(sock, spec, w, workers))
+            conn = Conn(sock, spec, w, workers)
+            self.conns.append(conn)  # closed by close() whatever happens next
+            fresh.append(conn)
+            sock.send(self._hello(spec, w).header())
+        end = time.monotonic() + timeout
         for conn in fresh:
-            msg = self._recv(conn, timeout)
-            if not isinstance(msg, protocol.Welcome):
-                raise RuntimeError(f"hello answered {msg!r}")
-            conn.job, conn.max_count = msg.job, 1
-        self.conns.extend(fresh)
+            while True:
+                msg = self._recv(conn, max(0.1, end - time.monotonic()))
+                if isinstance(msg, protocol.Welcome):
+                    conn.job = msg.job
+                    break
+                if not (isinstance(msg, protocol.Err) and msg.retry):
+                    raise RuntimeError(f"hello answered {msg!r}")
+                time.sleep(0.05)
+                conn.sock.send(self._hello(spec, conn.worker).header())
+
+    def _hello(self, spec: protocol.JobSpec, worker: int) -> protocol.Hello:
+        return protocol.Hello(
+            dataset=spec.dataset, seq_len=spec.seq_len, batch_size=spec.batch_size,
+            seed=spec.seed, world_size=1, rank=0, worker=worker, window=4,
+            client=f"scale-{id(spec):x}-{worker}", sources=spec.sources,
+            schedule=spec.schedule, shuffle=spec.shuffle,
+        )  # fmt: skip
 
     def _recv(self, conn: Conn, timeout: float) -> protocol.Message:
         if not conn.sock.poll(int(timeout * 1000)):
@@ -176,4 +186,4 @@ class Driver:
         for conn in self.conns:
             conn.sock.close(0)
         self.conns.clear()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)

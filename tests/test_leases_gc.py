@@ -94,6 +94,8 @@ def _publish(objects: ObjectStore, build: Path, name: str = "d") -> Manifest:
 def _needs(m: Manifest, name: str = "d") -> set[str]:
     """The keys one version needs: its manifest and files."""
     files = {f"{name}/{s.name}" for s in m.shards} | {f"{name}/{f}" for f in m.extra_files}
+    if m.pieces_file:  # version 3: its sidecar of piece digests
+        files.add(f"{name}/{m.pieces_file}")
     return files | {f"{name}/{VERSIONS_DIR}/{m.fingerprint}.json"}
 
 

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 
-from live_server import LiveServer
+from live_server import LiveServer, tenants_toml
 from shard_data import BYTE, random_docs
+from tokenfeed import protocol
 from tokenfeed.protocol import JobSpec
 from tokenfeed.transport.client import ClientOptions, FeedClient, Request
 from tokenfeed.transport.ring import attach, is_local_endpoint
@@ -182,3 +188,156 @@ def test_a_trainer_on_the_ring_gets_exactly_what_tcp_gives(server: LiveServer) -
     assert len(over_ring) == len(over_tcp) > 0
     for a, b in zip(over_ring, over_tcp, strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789ab", "admin-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def tenants_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    store = tmp_path_factory.mktemp("tenant-store")
+    write_dataset(store, "alpha", random_docs(200), shuffle_seed=3, tokenizer=BYTE)
+    tenants = store / "tenants.toml"
+    tenants.write_text(tenants_toml(ADMIN, {"alice": (ALICE, ["alpha"]), "bob": (BOB, ["alpha"])}))
+    extra = ["--tenants", str(tenants), "--peer-timeout-s", "1"]
+    with LiveServer(store, extra=extra) as srv:
+        yield srv
+
+
+def _open_rings(server: LiveServer) -> int:
+    status = server.get("/v1/status", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+    return int(status["rings"])
+
+
+@pytest.mark.network
+def test_one_tenant_cannot_take_another_tenants_ring(tenants_server: LiveServer) -> None:
+    """Bob knows where the door is (his own welcome says) but not alice's key: every
+    nonce he tries is refused, and alice's ring keeps carrying her chunks."""
+    job = JobSpec("alpha", 63, 2, 1, 1)
+    alice = FeedClient(tenants_server.zmq, job, rank=0, worker=0,
+                       options=ClientOptions(token=ALICE, shared_memory=True))  # fmt: skip
+    bob = FeedClient(tenants_server.zmq, job, rank=0, worker=0,
+                     options=ClientOptions(token=BOB, shared_memory=True))  # fmt: skip
+    with alice, bob:
+        door = alice.hello().ring_door
+        assert door and bob.hello().ring_door == door
+        assert alice.connection.ring is not None and bob.connection.ring is not None
+        for _ in range(20):
+            assert attach(door, os.urandom(32).hex()) is None
+        got = [a.tokens for a in alice.stream([Request(pos=0, count=4)])]
+        assert sum(t.shape[0] for t in got) == 8
+    # the ring is an anonymous memory file: nothing of it in any file system
+    assert not any("tokenfeed" in name for name in os.listdir("/dev/shm"))
+
+
+@pytest.mark.network
+def test_a_dead_trainers_ring_is_reclaimed(tenants_server: LiveServer, tmp_path: Path) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import os, sys\n"
+        "from tokenfeed.protocol import JobSpec\n"
+        "from tokenfeed.transport.client import ClientOptions, FeedClient, Request\n"
+        "c = FeedClient(sys.argv[1], JobSpec('alpha', 63, 2, 9, 1), rank=0, worker=0,\n"
+        "               options=ClientOptions(token=sys.argv[2], shared_memory=True))\n"
+        "c.hello()\n"
+        "assert c.connection.ring is not None\n"
+        "list(c.stream([Request(pos=0, count=2)]))\n"
+        "print('read', flush=True)\n"
+        "os._exit(0)  # killed: no bye, no close\n"
+    )
+    before = _open_rings(tenants_server)
+    done = subprocess.run(
+        [sys.executable, str(script), tenants_server.zmq, ALICE],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.stdout.strip() == "read", done.stderr
+    for _ in range(100):  # the server forgets the peer after --peer-timeout-s 1
+        if _open_rings(tenants_server) <= before:
+            break
+        time.sleep(0.1)
+    assert _open_rings(tenants_server) <= before
+
+
+class _OldServer:
+    """A ROUTER answering as a server from before rings: refuses ``ring`` by name."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.hellos: list[dict[str, object]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        welcome = protocol.Welcome(
+            server="old", job="0123456789abcdef", fingerprint="f" * 32, n_tokens=4000,
+            n_windows=249, dtype="uint16", window=4, max_count=8, eos_id=256,
+        )  # fmt: skip
+        while not self._done.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            fields = msgpack.unpackb(frame)
+            if fields["t"] != "hello":
+                continue
+            self.hellos.append(fields)
+            answer: protocol.Message = welcome
+            if "ring" in fields:
+                answer = protocol.Err(
+                    code="bad_request", retry=False, req=-1,
+                    message="hello: unexpected fields ['ring']; the peer speaks a newer "
+                    "protocol than this end: install matching versions of tokenfeed and "
+                    "tokenfeed-server",
+                )  # fmt: skip
+            self.sock.send_multipart([ident, answer.header()])
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_a_new_client_on_an_old_server_leaves_the_ring_out() -> None:
+    old = _OldServer()
+    try:
+        options = ClientOptions(request_timeout=2.0, deadline=10.0)
+        with FeedClient(old.endpoint, JobSpec("alpha", 16, 4, 5, 1), rank=0, worker=0,
+                        options=options) as client:  # fmt: skip
+            assert client.hello().job == "0123456789abcdef"
+            client.hello()  # a reconnect: not refused again
+            assert client.connection.ring is None
+    finally:
+        old.close()
+    assert old.hellos[0]["ring"] is True and all("ring" not in h for h in old.hellos[1:])
+    assert len(old.hellos) == 3
+
+
+@pytest.mark.network
+def test_an_old_client_gets_every_chunk_over_tcp(server: LiveServer) -> None:
+    """A hello without ``ring`` (every client from before rings): no ring offered,
+    tokens in the chunk's frame as always."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.zmq)
+    try:
+        hello = protocol.Hello(
+            dataset="alpha", seq_len=63, batch_size=4, seed=7, world_size=1, rank=0,
+            worker=0, window=4, client="old-client",
+        )  # fmt: skip
+        sock.send(hello.header())
+        assert sock.poll(10_000)
+        welcome = protocol.decode_header(sock.recv())
+        assert isinstance(welcome, protocol.Welcome) and not welcome.ring_door
+        sock.send(protocol.Get(req=0, job=welcome.job, rank=0, pos=0, count=1, stride=1).header())
+        assert sock.poll(10_000)
+        frames = sock.recv_multipart()
+        chunk = protocol.decode_header(frames[0])
+        assert isinstance(chunk, protocol.Chunk) and chunk.ring_offset == 0
+        assert len(frames[1]) == 4 * 64 * 2 and b"ring" not in frames[0]
+    finally:
+        sock.close(0)

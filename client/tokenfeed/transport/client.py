@@ -37,6 +37,7 @@ schedule adds is pinned at its first ``welcome``."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -60,9 +61,11 @@ from tokenfeed.transport.answer import Answer, answer_of
 from tokenfeed.transport.connection import Connection, Stopped
 from tokenfeed.transport.handshake import Attempts
 from tokenfeed.transport.homing import HomeProbe
+from tokenfeed.transport.older import DROPPABLE, refused_droppable
 from tokenfeed.transport.options import ClientOptions
 from tokenfeed.transport.replicas import Replicas
 from tokenfeed.transport.retry import Backoff
+from tokenfeed.transport.ring import attach, is_local_endpoint
 from tokenfeed.transport.welcome import changed_message, source_changed_message, welcome_problems
 from tokenfeed.window import Request, RequestWindow
 
@@ -71,13 +74,6 @@ __all__ = ["Answer", "ClientOptions", "FeedClient", "Request", "Stopped"]
 # One logger for the whole client package, so one line of logging config reaches it all.
 log = logging.getLogger("tokenfeed")
 
-#: How a server from before run ids refuses ``hello.run`` (its decoder's words, fixed in
-#: those releases): "hello: unexpected fields ['run']; the peer speaks a newer protocol..."
-_RUN_REFUSED = "hello: unexpected fields ['run']"
-#: How a server from before skipped ranges refuses ``hello.skipped``: the same words,
-#: naming it among the fields it does not know (a server from before run ids names both)
-_UNEXPECTED, _SKIPPED = "hello: unexpected fields [", "'skipped'"
-_AMPLIFICATION = "'allow_read_amplification'"
 #: Seconds between two warnings that the server waits on its object storage.
 STORAGE_WARN_EVERY_S = 30.0
 
@@ -154,10 +150,14 @@ class FeedClient:
         # Unique per client object and kept across reconnects: the server replaces the
         # connection it knew under this name instead of counting a new one.
         self._name = f"{socket.gethostname()}:{os.getpid()}:r{rank}w{worker}:{id(self):x}"
-        #: False once a server from before run ids refused ``hello.run``
-        self._send_run = True
-        #: False once a server from before it refused ``hello.allow_read_amplification``
-        self._send_amplification = True
+        #: optional hello fields a server from before them refused (left out since)
+        self._dropped: set[str] = set()
+        #: ask for a shared-memory ring: told so, or the server is on this host
+        self._want_ring = (
+            self.options.shared_memory
+            if self.options.shared_memory is not None
+            else all(is_local_endpoint(e) for e in self.replicas.endpoints)
+        )
         # the latest ranges only: a list on the wire holds at most MAX_ITEMS
         self._skipped = tuple(tuple(r) for r in skipped)[-protocol.MAX_ITEMS :]
         self._storage_warned = -STORAGE_WARN_EVERY_S  # when the last such warning went
@@ -247,7 +247,7 @@ class FeedClient:
             wait = min(wait * 2, opts.request_timeout)
 
     def _hello_message(self) -> protocol.Hello:
-        return protocol.Hello(
+        hello = protocol.Hello(
             dataset=self.job.dataset,
             seq_len=self.job.seq_len,
             batch_size=self.job.batch_size,
@@ -264,70 +264,24 @@ class FeedClient:
             shuffle=self.job.shuffle,
             region_windows=self.job.region_windows,
             block_regions=self.job.block_regions,
-            run=self.job.run if self._send_run else "",
+            run=self.job.run,
             skipped=self._skipped,
-            allow_read_amplification=self.options.allow_read_amplification
-            and self._send_amplification,
+            allow_read_amplification=self.options.allow_read_amplification,
+            ring=self._want_ring,
         )
+        defaults = protocol.messages.DEFAULTS[protocol.Hello]
+        return dataclasses.replace(hello, **{name: defaults[name] for name in self._dropped})
 
     def _older_server(self, hello: protocol.Hello, err: protocol.Err) -> bool:
-        """True when ``err`` is a server from before run ids refusing ``hello.run``; from
-        then on this client leaves the run id out (see "Evolution" in
-        :mod:`tokenfeed.protocol`: the one field a client drops on refusal, since it names
-        the job and never changes a token)."""
-        if self._older_skipped(hello, err) or self._older_amplification(hello, err):
-            return True
-        if not (hello.run and err.code == "bad_request" and _RUN_REFUSED in err.message):
-            return False
-        self._send_run = False
-        log.warning(
-            "the server at %s is older than run ids (it refused hello.run): this run "
-            "shares its job with runs of the same dataset, seed and shapes, as before run "
-            "ids; the data served is the same. Upgrade tokenfeed-server to give every "
-            "launch its own job",
-            self.endpoint,
-        )
-        return True
-
-    def _older_skipped(self, hello: protocol.Hello, err: protocol.Err) -> bool:
-        """True when ``err`` is a server from before skipped ranges refusing
-        ``hello.skipped``; the ranges are left out from then on (they are for the job's
-        page only, never part of what is served). A server from before run ids refuses
-        both fields: the run id is then dropped at its own refusal, next."""
-        if not (
-            hello.skipped
-            and err.code == "bad_request"
-            and err.message.startswith(_UNEXPECTED)
-            and _SKIPPED in err.message.split("]", 1)[0]
-        ):
-            return False
-        self._skipped = ()
-        log.warning(
-            "the server at %s is older than skipped ranges (it refused hello.skipped): "
-            "its job page will not show the steps this run skipped; the data served is "
-            "the same. Upgrade tokenfeed-server to see them",
-            self.endpoint,
-        )
-        return True
-
-    def _older_amplification(self, hello: protocol.Hello, err: protocol.Err) -> bool:
-        """True when ``err`` is a server from before ``hello.allow_read_amplification``
-        refusing it; left out from then on (such a server never refused read
-        amplification: it serves what was asked, the same tokens)."""
-        if not (
-            hello.allow_read_amplification
-            and err.code == "bad_request"
-            and err.message.startswith(_UNEXPECTED)
-            and _AMPLIFICATION in err.message.split("]", 1)[0]
-        ):
-            return False
-        self._send_amplification = False
-        log.info(
-            "the server at %s is older than allow_read_amplification (it refused the "
-            "field); it never refused read amplification, so the data served is the same",
-            self.endpoint,
-        )
-        return True
+        """True when ``err`` is a server from before some optional fields of ``hello``
+        refusing them, if they change no token (see :mod:`tokenfeed.transport.older`);
+        this client leaves them out from then on."""
+        names = refused_droppable(hello, err)
+        for name in names:
+            level, cost = DROPPABLE[name]
+            log.log(level, "the server at %s is %s", self.endpoint, cost)
+        self._dropped.update(names)
+        return bool(names)
 
     def _attempt(
         self,
@@ -417,6 +371,8 @@ class FeedClient:
             raise DatasetChanged(self._changed(welcome.fingerprint))
         self.fingerprint = welcome.fingerprint
         self.welcome = welcome
+        if welcome.ring_door:  # the server offers this connection a ring: take it
+            self.connection.ring = attach(welcome.ring_door, welcome.ring_key)
         return welcome
 
     def _changed(self, served: str | None) -> str:

@@ -17,9 +17,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from tokenfeed import protocol
-from tokenfeed.errors import ConfigError
+from tokenfeed.dtypes import DTYPES
+from tokenfeed.errors import ConfigError, ProtocolError
 from tokenfeed.transport.handshake import HANDSHAKE_FAILURES, verdict
 from tokenfeed.transport.options import ClientOptions
+from tokenfeed.transport.ring import ClientRing
 
 __all__ = ["Connection", "Received", "Stopped"]
 
@@ -60,6 +62,9 @@ class Connection:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._monitor: zmq.Socket[bytes] | None = None
         self._poller = zmq.Poller()
+        #: the shared-memory ring of the socket in use, if the server gave it one (see
+        #: :mod:`tokenfeed.transport.ring`); closed with the socket
+        self.ring: ClientRing | None = None
 
     def open(self, address: str) -> zmq.Socket[bytes]:
         """Close the socket in use, if any, and connect a new one to ``address``."""
@@ -111,6 +116,9 @@ class Connection:
         """Close the socket in use (none: nothing to do), sending ``bye`` first if given."""
         sock, monitor = self.sock, self._monitor
         self.sock = self._monitor = None
+        if self.ring is not None:  # a ring belongs to its socket: the next one gets its own
+            self.ring.close()
+            self.ring = None
         try:
             if sock is not None:
                 linger = 0
@@ -163,7 +171,23 @@ class Connection:
             if self.broken or time.monotonic() >= end:
                 return None
         frames = sock.recv_multipart(copy=False)
-        return protocol.decode_header(frames[0].buffer), frames[1:]
+        msg = protocol.decode_header(frames[0].buffer)
+        if isinstance(msg, protocol.Chunk) and msg.ring_offset:
+            return msg, [self._from_ring(msg), *frames[2:]]
+        return msg, frames[1:]
+
+    def _from_ring(self, chunk: protocol.Chunk) -> bytearray:
+        """The tokens of a chunk the server put in this socket's ring (copied out, their
+        space released at once: chunks arrive in the order they were written)."""
+        if self.ring is None:
+            raise ProtocolError("the server sent a chunk in a ring this connection does not have")
+        itemsize = DTYPES[chunk.dtype].itemsize if chunk.dtype in DTYPES else 0
+        try:
+            return self.ring.take(
+                chunk.ring_offset, chunk.ring_end, chunk.rows * chunk.cols * itemsize
+            )
+        except ValueError as exc:
+            raise ProtocolError(f"chunk: {exc}") from None
 
     def send(self, message: protocol.Message) -> None:
         """Send one message on the socket in use."""

@@ -29,6 +29,10 @@ class ClientOptions:
     #: accept a global shuffle of a remote dataset through a cache smaller than it
     #: (the server refuses it otherwise, giving the read amplification it would cost)
     allow_read_amplification: bool = False
+    #: take chunks through a shared-memory ring when the server offers one (None: when
+    #: every endpoint is on this host; True: ask anyway, e.g. a container sharing the
+    #: server's ring door on a volume; False: always TCP). See :mod:`tokenfeed.transport.ring`.
+    shared_memory: bool | None = None
 
     def __post_init__(self) -> None:
         for name, low in (("window", 1), ("chunk_bytes", 1)):

@@ -48,8 +48,8 @@ class ClientRing:
 
     def take(self, offset: int, end: int, nbytes: int) -> bytearray:
         """The ``nbytes`` at ``offset`` (copied out), then release up to ``end``."""
-        if not (_HEADER_BYTES <= offset and offset + nbytes <= self.size):
-            raise ValueError(f"chunk at {offset}+{nbytes} lies outside the ring ({self.size})")
+        if not (offset >= _HEADER_BYTES and offset + nbytes <= self.size):
+            raise ValueError(f"tokens at {offset}+{nbytes} lie outside the ring ({self.size})")
         out = bytearray(nbytes)
         np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(
             self._map, dtype=np.uint8, count=nbytes, offset=offset
@@ -121,4 +121,3 @@ def _can_bind(addr: str) -> bool:
         except OSError:
             return False
     return True
-

@@ -285,6 +285,7 @@ class DataPlane:
         )
         snap["loop"] = self.busy.view()
         snap["unattached"] = self._unattached.count if self._unattached is not None else 0
-        snap["rings"] = {"open": len(self.rings), "handed": self.rings.handed}
+        snap["rings"] = {"open": len(self.rings)}
+        self.counters["rings_handed"] = self.rings.handed  # the door counts on its thread
         snap["counters"].update(shared_mixtures.counters())  # where tables were built
         self.snapshot = snap  # published whole: the HTTP side never sees it half made

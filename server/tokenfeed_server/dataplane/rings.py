@@ -28,6 +28,7 @@ is closed by the kernel).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -112,10 +113,8 @@ class Ring:
     def close(self) -> None:
         """Unmap and close the server's side (idempotent)."""
         if self._map is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a live view: unmapped with it
                 self._map.close()
-            except BufferError:  # a view still alive: the GC unmaps it with the view
-                pass
             self._map = None
             os.close(self.fd)
 

@@ -451,6 +451,11 @@ class StatusView(_Model):
         description="(null, as connections) Data connections open that have not said hello "
         "yet; closed after --hello-timeout-s, at most --max-unattached-connections.",
     )
+    rings: int | None = Field(
+        default=None,
+        description="(null, as connections) Shared-memory rings open now: one per data "
+        "connection of a trainer on the server's host that took one (see --ring-door).",
+    )
     counters: dict[str, int] | None = Field(
         description="Data plane event counts since start (null, as connections)."
     )

@@ -46,6 +46,7 @@ def status(state: State, who: Caller) -> StatusView:
         uptime_s=round(time.time() - state.started, 1),
         connections=snap["connections"] if everything else None,
         unattached=snap.get("unattached", 0) if everything else None,
+        rings=snap.get("rings", {}).get("open", 0) if everything else None,
         counters=snap["counters"] if everything else None,
         config=ConfigView.model_validate(config),
         cache=CacheView.model_validate(cache.stats()) if cache is not None else None,
