@@ -163,6 +163,8 @@ def system_list(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int
     for nw in (0, 2):
         group: list[tuple[str, dict[str, Any]]] = [
             ("tokenfeed", {"system": "tokenfeed", "batches_per_item": k if nw else 1}),
+            # the same server without the shared-memory ring: chunks over loopback TCP
+            ("tokenfeed tcp", {"system": "tokenfeed", "batches_per_item": k if nw else 1}),
             ("ram_batch", {"system": "ram_batch"}),
             ("memmap_pack16", {"system": "memmap_pack", "batches_per_item": k}),
             ("litdata", {"system": "litdata"}),
@@ -173,14 +175,17 @@ def system_list(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int
         for name, spec in group:
             if nw and name == "ram_batch":  # forked workers would share its array: no new case
                 continue
-            out.append((f"{name} nw={nw}", {**spec, "num_workers": nw}, 1))
+            tcp = {"tcp": True} if name.endswith("tcp") else {}
+            out.append((f"{name} nw={nw}", {**spec, **tcp, "num_workers": nw}, 1))
     for name, system in (
         ("tokenfeed", "tokenfeed"),
+        ("tokenfeed tcp", "tokenfeed"),
         ("ram_batch", "ram_batch"),
         ("memmap_pack16", "memmap_pack"),
         ("litdata", "litdata"),
     ):
-        out.append((f"{name} x4", {"system": system, "num_workers": 0}, 4))
+        tcp = {"tcp": True} if name.endswith("tcp") else {}
+        out.append((f"{name} x4", {"system": system, "num_workers": 0, **tcp}, 4))
     return out
 
 

@@ -38,13 +38,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scale_probe import Driver, anon_mb, busiest_turn_s, cpu_s, open_files, wait_listed  # noqa: E402
-from synthetic_store import make_dataset  # noqa: E402
-
-from tokenfeed.mixture import Mixture  # noqa: E402
-from tokenfeed.protocol import JobSpec  # noqa: E402
-from tokenfeed_server.launch import ServerProcess  # noqa: E402
-from tokenfeed_server.store import TokenizerInfo, write_dataset  # noqa: E402
+from scale_probe import Driver, anon_mb, busiest_turn_s, cpu_s, open_files, wait_listed
+from synthetic_store import make_dataset
+from tokenfeed.mixture import Mixture
+from tokenfeed.protocol import JobSpec
+from tokenfeed_server.launch import ServerProcess
+from tokenfeed_server.store import TokenizerInfo, write_dataset
 
 TB = 10**12
 SEQ, BATCH = 2048, 8

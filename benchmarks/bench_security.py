@@ -71,12 +71,18 @@ def main() -> None:
             capture_output=True,
         )
         public = (keys / "server.key.pub").read_text().strip()
+        (store / "token").write_text(TOKEN)
+        client = subprocess.run(  # the key the operator issues to the tenant
+            [sys.executable, "-m", "tokenfeed_server.cli", "client-key", "--curve-secret-key",
+             str(keys / "server.key"), "--token-file", str(store / "token")],
+            check=True, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
         modes = {
             "open": ([], ClientOptions()),
             "plain token": (["--tenants", str(tenants)], ClientOptions(token=TOKEN)),
             "curve": (
                 ["--tenants", str(tenants), "--curve-secret-key", str(keys / "server.key")],
-                ClientOptions(token=TOKEN, server_public_key=public),
+                ClientOptions(token=TOKEN, server_public_key=public, client_secret_key=client),
             ),
         }
         servers = {

@@ -15,6 +15,7 @@ for comparison and are labelled so.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -200,6 +201,9 @@ def _map_style(spec: dict[str, Any], in_ram: bool) -> Iterable[Any]:
 
 def _tokenfeed(spec: dict[str, Any]) -> Iterable[Any]:
     from tokenfeed import TokenFeedDataset, TokenFeedLoader
+
+    if spec.get("tcp"):  # the loopback TCP path, without the shared-memory ring
+        os.environ["TOKENFEED_SHARED_MEMORY"] = "0"
 
     ds = TokenFeedDataset(
         spec["endpoint"],

@@ -55,10 +55,12 @@ def test_a_valid_file_loads_every_field(tmp_path: Path) -> None:
     assert tenants.is_admin(ADMIN) and not tenants.is_admin(ALICE)
     assert alice.may_read("web-v1") and not alice.may_read("code")
     assert (alice.max_connections, alice.weight) == (3, 2.0)
-    assert alice.curve_public_key is not None  # a clear token implies its CURVE key
+    # no CURVE key without the server's secret key (tests/test_curve_keys.py); a clear
+    # token implies only the version 1 key, kept to recognise (and refuse) old clients
+    assert alice.curve_public_key is None and alice.legacy_curve_key is not None
     # no datasets given: the tenant reads nothing until the operator says what
     assert bob.datasets == () and not bob.may_read("web-v1")
-    assert (bob.max_connections, bob.weight, bob.curve_public_key) == (None, 1.0, None)
+    assert (bob.max_connections, bob.weight, bob.legacy_curve_key) == (None, 1.0, None)
 
 
 def test_a_string_of_datasets_is_refused_not_read_letter_by_letter(tmp_path: Path) -> None:

@@ -15,17 +15,20 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import zmq
 
 from live_server import LiveServer
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, protocol
 from tokenfeed.errors import (
     AuthenticationFailed,
+    ConfigError,
     ConnectionLimit,
     DatasetForbidden,
     RequestRejected,
 )
 from tokenfeed.protocol import JobSpec
+from tokenfeed.protocol.curve import legacy_keypair_from_token
 from tokenfeed.transport.client import ClientOptions, FeedClient, Request
 from tokenfeed_server.dataplane.auth import token_digest
 from tokenfeed_server.store import write_dataset
@@ -231,6 +234,19 @@ def test_insecure_flag_warns_loudly(store: Path, logs: Path) -> None:
     assert "INSECURE" in log.read_text()
 
 
+def client_key(secret: Path, token: str, tmp_path: Path) -> str:
+    """The key ``tokenfeed-server client-key`` issues for ``token`` (the operator's step)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    issued = subprocess.run(
+        [sys.executable, "-m", "tokenfeed_server.cli", "client-key",
+         "--curve-secret-key", str(secret), "--token-file", str(token_file)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert token not in issued.stdout + issued.stderr
+    return issued.stdout.strip()
+
+
 def test_curve_encryption(store: Path, tenants_file: Path, logs: Path, tmp_path: Path) -> None:
     keygen = subprocess.run(
         [sys.executable, "-m", "tokenfeed_server.cli", "keygen", str(tmp_path / "keys")],
@@ -243,17 +259,43 @@ def test_curve_encryption(store: Path, tenants_file: Path, logs: Path, tmp_path:
     secret = tmp_path / "keys" / "server.key"
     assert secret.stat().st_mode & 0o077 == 0  # private to the owner
     public = (tmp_path / "keys" / "server.key.pub").read_text().strip()
+    alice_key, bob_key = client_key(secret, ALICE, tmp_path), client_key(secret, BOB, tmp_path)
+    log = logs / "curve.log"
     with LiveServer(
         store,
         extra=["--tenants", str(tenants_file), "--curve-secret-key", str(secret)],
-        log_path=logs / "curve.log",
+        log_path=log,
     ) as srv:
-        ds = dataset(srv, "alpha", ALICE, samples=16, server_public_key=public)
+        curve = {"server_public_key": public}
+        ds = dataset(srv, "alpha", ALICE, samples=16, client_secret_key=alice_key, **curve)
         assert sum(1 for _ in ds) == 4
+        # bob's tenant entry holds only token_sha256: CURVE serves him all the same
+        ds = dataset(srv, "beta-1", None, samples=8, client_secret_key=bob_key, **curve)
+        assert sum(1 for _ in ds) == 2
+        with pytest.raises(DatasetForbidden):  # the key names alice, with alice's rights
+            next(iter(dataset(srv, "beta-1", None, client_secret_key=alice_key, **curve)))
+        # Someone who sniffed alice's bearer token: the old derivation from the token alone,
+        # or any key pair of their own, fails the handshake.
+        sniffed = legacy_keypair_from_token(ALICE)[1].decode()
         with pytest.raises(AuthenticationFailed):
-            next(iter(dataset(srv, "alpha", "not-a-tenant-token-xyz", server_public_key=public)))
+            next(iter(dataset(srv, "alpha", ALICE, client_secret_key=sniffed, **curve)))
+        with pytest.raises(AuthenticationFailed):  # a second try: the log still says it once
+            next(iter(dataset(srv, "alpha", ALICE, client_secret_key=sniffed, **curve)))
+        forged = zmq.curve_keypair()[1].decode()
+        with pytest.raises(AuthenticationFailed):
+            next(iter(dataset(srv, "alpha", ALICE, client_secret_key=forged, **curve)))
+        with pytest.raises(ConfigError, match="tokenfeed-server client-key"):
+            dataset(srv, "alpha", ALICE, **curve)  # the token alone: refused before connecting
         with pytest.raises(AuthenticationFailed):  # a PLAIN client cannot talk to CURVE
             next(iter(dataset(srv, "alpha", ALICE)))
+    text = log.read_text()
+    hint = (
+        "CURVE key derived from the token: upgrade the client and use `tokenfeed-server client-key`"
+    )
+    assert text.count(hint) == 1, text[-3000:]
+    assert "tenant 'alice'" in text
+    for key in (alice_key, bob_key, sniffed):
+        assert key not in text
 
 
 def test_limits_are_enforced_and_reported(store: Path, logs: Path) -> None:

@@ -7,8 +7,8 @@ version 1, so a change in either breaks these tests.
 
 from __future__ import annotations
 
-import hashlib
 import functools
+import hashlib
 import itertools
 import json
 from pathlib import Path

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from tokenfeed.errors import ConfigError, TokenFeedError
 from tokenfeed_server import config as settings
+from tokenfeed_server.client_key_cli import add_client_key_command
 from tokenfeed_server.http.admin_cli import add_admin_commands
 from tokenfeed_server.inspect_cli import add_inspect_command
 
@@ -283,7 +284,8 @@ def _add_keygen(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "keygen",
         help="write a CURVE key pair for encrypted serving",
         description="Write DIR/server.key (secret, mode 0600; give it to serve with "
-        "--curve-secret-key) and DIR/server.key.pub (give it to clients).",
+        "--curve-secret-key) and DIR/server.key.pub (give it to clients, each with its "
+        "own key from `tokenfeed-server client-key`).",
     )
     p.add_argument("directory", type=Path, metavar="DIR")
     p.set_defaults(handler=_run_keygen)
@@ -318,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gc(subparsers)
     _add_serve(subparsers)
     _add_keygen(subparsers)
+    add_client_key_command(subparsers)  # client-key: tokenfeed_server.client_key_cli
     add_admin_commands(subparsers)  # jobs, datasets, status: the HTTP API as tables
     return parser
 

@@ -210,9 +210,7 @@ def _serve_http(
             log_level=config.log_level,
             access_log=False,
             lifespan="off",
-            http=guarded_h11(
-                config.http_header_timeout_s, config.http_max_connections, reserve
-            ),
+            http=guarded_h11(config.http_header_timeout_s, config.http_max_connections, reserve),
             h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             ssl_certfile=config.tls_cert_file,
             ssl_keyfile=config.tls_key_file,

@@ -213,7 +213,6 @@ from tokenfeed.protocol.constants import (
     TOKEN_RULE,
     VERSION,
 )
-from tokenfeed.protocol.curve import curve_keypair_from_token
 from tokenfeed.protocol.messages import (
     Bye,
     Chunk,
@@ -255,7 +254,6 @@ __all__ = [
     "Pong",
     "Welcome",
     "chunk_frames",
-    "curve_keypair_from_token",
     "decode_chunk",
     "decode_header",
     "mixture_fingerprint",

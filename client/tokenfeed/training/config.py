@@ -71,6 +71,7 @@ class DatasetConfig:
     samples: int | None = None
     token: str | None = field(default=None, repr=False)  # a secret: never in a repr
     server_public_key: str | None = None
+    client_secret_key: str | None = field(default=None, repr=False)  # a secret
     window: int = 4
     chunk_bytes: int = 1 << 20
     request_timeout: float = 10.0
@@ -157,7 +158,11 @@ class DatasetConfig:
 
     @cached_property
     def options(self) -> ClientOptions:
-        """The options of every client (the token defaults to ``TOKENFEED_TOKEN``)."""
+        """The options of every client (the token defaults to ``TOKENFEED_TOKEN``; with a
+        server key, the client key to ``TOKENFEED_CLIENT_KEY``)."""
+        client_key = self.client_secret_key
+        if client_key is None and self.server_public_key is not None:
+            client_key = os.environ.get("TOKENFEED_CLIENT_KEY")
         return ClientOptions(
             window=self.window,
             chunk_bytes=self.chunk_bytes,
@@ -165,7 +170,9 @@ class DatasetConfig:
             deadline=self.deadline,
             token=self.token if self.token is not None else os.environ.get("TOKENFEED_TOKEN"),
             server_public_key=self.server_public_key,
+            client_secret_key=client_key,
             allow_read_amplification=self.allow_read_amplification,
+            shared_memory=_shared_memory_env(),
         )
 
 
@@ -254,3 +261,19 @@ def _check_shuffle(
         if value is not None and (type(value) is not int or value < 1):
             raise ConfigError(f"{name} must be an integer >= 1 or None, got {value!r}")
     return region_windows or 0, block_regions or 0
+
+
+def _shared_memory_env() -> bool | None:
+    """``TOKENFEED_SHARED_MEMORY``: ``1`` asks the server for a shared-memory ring even
+    when its endpoint does not look local (a container sharing the server's ring door
+    on a volume), ``0`` never asks; unset: ask when the server is on this host."""
+    value = os.environ.get("TOKENFEED_SHARED_MEMORY", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(
+        f"TOKENFEED_SHARED_MEMORY must be 1 (ask for a ring), 0 (TCP only) or auto, got {value!r}"
+    )

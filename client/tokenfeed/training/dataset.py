@@ -73,7 +73,8 @@ class TokenFeedDataset(IterableDataset[Batch]):
             takes ``samples`` only: its sources run through their epochs at their own
             rates, so a mixture has no epoch of its own.
         token: the tenant's token (default: the ``TOKENFEED_TOKEN`` environment variable).
-        server_public_key: the server's CURVE public key, to encrypt the connection.
+        server_public_key, client_secret_key: the server's CURVE public key, to encrypt
+            the connection, and this tenant's key from the operator (or TOKENFEED_CLIENT_KEY).
         window: requests in flight per worker; chunk_bytes: about how much data one
             request asks for (several batches per message); request_timeout, deadline: see
             :class:`tokenfeed.transport.client.FeedClient`.
@@ -127,6 +128,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         samples: int | None = None,
         token: str | None = None,
         server_public_key: str | None = None,
+        client_secret_key: str | None = None,
         window: int = 4,
         chunk_bytes: int = 1 << 20,
         request_timeout: float = 10.0,
@@ -153,6 +155,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             samples=samples,
             token=token,
             server_public_key=server_public_key,
+            client_secret_key=client_secret_key,
             window=window,
             chunk_bytes=chunk_bytes,
             request_timeout=request_timeout,

@@ -19,6 +19,7 @@ from zmq.utils.monitor import recv_monitor_message
 from tokenfeed import protocol
 from tokenfeed.dtypes import DTYPES
 from tokenfeed.errors import ConfigError, ProtocolError
+from tokenfeed.protocol.curve import curve_keypair
 from tokenfeed.transport.handshake import HANDSHAKE_FAILURES, verdict
 from tokenfeed.transport.options import ClientOptions
 from tokenfeed.transport.ring import ClientRing
@@ -102,9 +103,11 @@ class Connection:
     def _secure(self, sock: zmq.Socket[bytes]) -> None:
         token = self._options.token
         if self._options.server_public_key is not None:
-            public, secret = (
-                protocol.curve_keypair_from_token(token) if token else zmq.curve_keypair()
-            )
+            # The key the operator issued (the options refuse a server key without one):
+            # never one derived from the token, which a sniffed bearer token would give away.
+            client_key = self._options.client_secret_key
+            assert client_key is not None
+            public, secret = curve_keypair(client_key)
             sock.curve_serverkey = self._options.server_public_key.encode()
             sock.curve_publickey = public
             sock.curve_secretkey = secret

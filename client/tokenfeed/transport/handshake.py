@@ -42,7 +42,8 @@ def verdict(event: int, value: int, endpoint: str) -> AuthenticationFailed | Non
     if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return AuthenticationFailed(
             f"the server at {endpoint} refused the token; check token= or "
-            "TOKENFEED_TOKEN against what the operator gave you"
+            "TOKENFEED_TOKEN (under CURVE: client_secret_key= or TOKENFEED_CLIENT_KEY) "
+            "against what the operator gave you"
         )
     if (
         event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

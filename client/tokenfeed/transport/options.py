@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tokenfeed.errors import ConfigError
 from tokenfeed.protocol.constants import TOKEN, TOKEN_RULE
+from tokenfeed.protocol.curve import check_curve_options
 
 __all__ = ["ClientOptions"]
 
@@ -26,6 +27,9 @@ class ClientOptions:
     return_after: float = 5.0
     token: str | None = field(default=None, repr=False)  # a secret: never in a repr or log
     server_public_key: str | None = None
+    #: this tenant's CURVE secret key (Z85), issued by ``tokenfeed-server client-key``;
+    #: needed with server_public_key. A secret: never in a repr or log
+    client_secret_key: str | None = field(default=None, repr=False)
     #: accept a global shuffle of a remote dataset through a cache smaller than it
     #: (the server refuses it otherwise, giving the read amplification it would cost)
     allow_read_amplification: bool = False
@@ -44,6 +48,7 @@ class ClientOptions:
         ):
             # never echo the token: it is a secret even when malformed
             raise ConfigError(f"token must be {TOKEN_RULE}; this one is not")
+        check_curve_options(self.server_public_key, self.client_secret_key)
         for name in ("request_timeout", "deadline", "warn_after", "return_after"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:

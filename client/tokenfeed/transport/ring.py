@@ -104,7 +104,7 @@ def is_local_endpoint(endpoint: str) -> bool:
         return False
     host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        addrs = {str(i[4][0]) for i in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except OSError:
         return False
     return bool(addrs) and all(_can_bind(a) for a in addrs)

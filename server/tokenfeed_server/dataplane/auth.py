@@ -10,9 +10,12 @@ Tokens are never stored or logged in clear: a tenant is looked up by the SHA-256
 presented token, and every stored digest is compared with :func:`hmac.compare_digest`,
 so the time taken does not depend on which tenant matched or on how many bytes agreed.
 
-With CURVE, the client's key pair is derived from its token (see
-:func:`tokenfeed.protocol.curve_keypair_from_token`), so the same token identifies the
-tenant: the server only needs the public key that each token implies.
+With CURVE, a tenant's client key is derived from the server's secret key and the
+token's digest (see :mod:`tokenfeed.protocol.curve`; the operator issues it with
+``tokenfeed-server client-key``): the server computes each tenant's expected public key
+from the digest it keeps, so ``token_sha256`` suffices, and a token seen in clear does not
+give its key away. A key derived from the token alone (version 1 clients) is refused, and
+the server says once per tenant that the client needs upgrading.
 
 Tenants file (TOML), read against one strict schema (:class:`TenantsFile`): an unknown
 key, a wrong type or a bad value anywhere stops the server at start, naming the tenant and
@@ -22,7 +25,7 @@ the field::
 
     [[tenant]]
     name = "alice"
-    token_sha256 = "..."              # or token = "..." (needed for CURVE)
+    token_sha256 = "..."              # or token = "..."
     datasets = ["web-*", "code"]      # names or glob patterns; default: none
     max_connections = 64              # default: the server's per-tenant limit
     max_jobs = 16                     # default: --max-jobs-per-tenant
@@ -38,7 +41,7 @@ import logging
 import sys
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,7 +58,8 @@ from pydantic_core import ErrorDetails
 from zmq.utils import z85
 
 from tokenfeed.errors import ConfigError, DatasetForbidden, ServerError
-from tokenfeed.protocol import TOKEN_RULE, curve_keypair_from_token
+from tokenfeed.protocol import TOKEN_RULE
+from tokenfeed.protocol.curve import client_secret_key, curve_keypair, legacy_keypair_from_token
 from tokenfeed_server.config import token_rule
 from tokenfeed_server.logbudget import LogBudget
 
@@ -85,7 +89,11 @@ class Tenant:
     max_connections: int | None = None
     max_jobs: int | None = None
     weight: float = 1.0
+    #: the CURVE public key of the client key issued to this tenant (set under CURVE)
     curve_public_key: bytes | None = None
+    #: the public key a version 1 client derives from the clear token: recognised, to
+    #: tell the operator to upgrade it, never admitted (None without a clear token)
+    legacy_curve_key: bytes | None = None
 
     def may_read(self, dataset: str) -> bool:
         """True if ``dataset`` matches one of the tenant's names or patterns."""
@@ -140,9 +148,24 @@ class Tenants:
         """The tenant whose token this is, compared in constant time, or None."""
         return self._match(token_digest(token).encode(), lambda t: t.token_sha256.encode())
 
+    def use_curve(self, server_secret: bytes) -> None:
+        """Expect under CURVE each tenant's issued client key (see
+        :func:`tokenfeed.protocol.curve.client_secret_key`) from this server secret key."""
+        self.by_name = {
+            name: replace(
+                t,
+                curve_public_key=curve_keypair(client_secret_key(server_secret, t.token_sha256))[0],
+            )
+            for name, t in self.by_name.items()
+        }
+
     def authenticate_curve(self, public_key: bytes) -> Tenant | None:
-        """The tenant whose token implies this CURVE public key, or None."""
+        """The tenant issued the client key of this CURVE public key, or None."""
         return self._match(public_key, lambda t: t.curve_public_key or b"")
+
+    def legacy_curve_tenant(self, public_key: bytes) -> Tenant | None:
+        """The tenant whose clear token implies this version 1 key (to refuse it, saying why)."""
+        return self._match(public_key, lambda t: t.legacy_curve_key or b"")
 
     def _match(self, presented: bytes, stored: Any) -> Tenant | None:
         found = None
@@ -303,7 +326,7 @@ def _tenant(entry: TenantEntry) -> Tenant:
         max_connections=entry.max_connections,
         max_jobs=entry.max_jobs,
         weight=entry.weight,
-        curve_public_key=curve_keypair_from_token(entry.token)[0] if entry.token else None,
+        legacy_curve_key=legacy_keypair_from_token(entry.token)[0] if entry.token else None,
     )
 
 
@@ -319,6 +342,8 @@ class ZapHandler:
         self._thread = threading.Thread(target=self._run, name="tokenfeed-zap", daemon=True)
         self.refused = 0
         self._log_budget = LogBudget()
+        #: tenants whose version 1 client was already reported (once each)
+        self._legacy_reported: set[str] = set()
 
     def start(self) -> None:
         """Start answering (before any socket that uses ZAP binds)."""
@@ -342,22 +367,42 @@ class ZapHandler:
         if len(frames) < 6 or frames[0] != b"1.0":
             return [b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"bad ZAP", b"", b""]
         request_id, address, mechanism, credentials = frames[1], frames[3], frames[5], frames[6:]
-        tenant = None
-        if mechanism == b"PLAIN" and len(credentials) == 2:
-            try:
-                tenant = self.tenants.authenticate(credentials[1].decode())
-            except UnicodeDecodeError:
-                tenant = None
-        elif mechanism == b"CURVE" and len(credentials) == 1:
-            tenant = self.tenants.authenticate_curve(z85.encode(credentials[0]))
+        tenant = self._identify(mechanism, credentials)
         if tenant is None:
             self.refused += 1
             # the address only: the presented credentials never reach the log
             if self._log_budget.take():
                 log.warning(
-                    "refused a %s connection from %s: unknown token",
+                    "refused a %s connection from %s: unknown %s",
                     mechanism.decode(errors="replace"),
                     address.decode(errors="replace"),
+                    "client key (issued by `tokenfeed-server client-key`)"
+                    if mechanism == b"CURVE"
+                    else "token",
                 )
             return [b"1.0", request_id, b"400", b"unknown token", b"", b""]
         return [b"1.0", request_id, b"200", b"OK", tenant.name.encode(), b""]
+
+    def _identify(self, mechanism: bytes, credentials: list[bytes]) -> Tenant | None:
+        """The tenant these credentials prove, or None."""
+        if mechanism == b"PLAIN" and len(credentials) == 2:
+            try:
+                return self.tenants.authenticate(credentials[1].decode())
+            except UnicodeDecodeError:
+                return None
+        if mechanism != b"CURVE" or len(credentials) != 1:
+            return None
+        key = z85.encode(credentials[0])
+        tenant = self.tenants.authenticate_curve(key)
+        if tenant is None:
+            old = self.tenants.legacy_curve_tenant(key)
+            if old is not None and old.name not in self._legacy_reported:
+                # Once per tenant: its clients retry, and the operator needs one line.
+                self._legacy_reported.add(old.name)
+                log.warning(
+                    "tenant %r: CURVE key derived from the token: upgrade the client and use "
+                    "`tokenfeed-server client-key` (refused: a sniffed token would give that "
+                    "key away)",
+                    old.name,
+                )
+        return tenant

@@ -56,13 +56,15 @@ def remote_rows(msg: protocol.Hello, feed: Feed) -> int:
             # read in rounds without a wait if more than half of it): a block's pieces,
             # each of its regions one span
             region_bytes = region_windows * seq_len * ds.dtype.itemsize + row_bytes
-            blocks += block_regions * span_pieces(region_bytes, ds.piece_bytes)
+            blocks += block_regions * span_pieces(region_bytes, ds.largest_piece)
             rows = min(rows, region_windows * block_regions)
         else:
             blocks = None
     for ds, _, _, _, seq_len in remote:
         row_bytes = (seq_len + 1) * ds.dtype.itemsize
-        fit = ds.cache.rows_per_request(ds.piece_bytes, row_bytes, remote_bytes, span_pieces=blocks)
+        fit = ds.cache.rows_per_request(
+            ds.largest_piece, row_bytes, remote_bytes, span_pieces=blocks
+        )
         rows = min(rows, fit)
     return rows
 
@@ -73,7 +75,7 @@ def check_remote_cache(msg: protocol.Hello, feed: Feed) -> None:
     remote = _remote(feed)
     for ds, _, _, _, seq_len in remote:
         row_bytes = (seq_len + 1) * ds.dtype.itemsize
-        problem = one_row_fits(ds.cache.capacity, ds.piece_bytes, row_bytes)
+        problem = one_row_fits(ds.cache.capacity, ds.largest_piece, row_bytes)
         if problem is not None:
             raise RequestRejected(f"dataset {ds.name!r}: {problem}")
     # the global sources of a mixture are read at once: together they must fit
@@ -84,6 +86,6 @@ def check_remote_cache(msg: protocol.Hello, feed: Feed) -> None:
     name = "+".join(d.name for d, _ in spread)
     total = sum(d.nbytes for d, _ in spread)
     row_bytes = (seq_len + 1) * ds.dtype.itemsize
-    refusal = amplification_refusal(name, total, ds.cache.capacity, ds.piece_bytes, row_bytes)
+    refusal = amplification_refusal(name, total, ds.cache.capacity, ds.largest_piece, row_bytes)
     if refusal is not None:
         raise RequestRejected(refusal)

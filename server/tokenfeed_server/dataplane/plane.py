@@ -34,9 +34,9 @@ from tokenfeed_server.dataplane.auth import Tenants
 from tokenfeed_server.dataplane.busy import LoopBusy
 from tokenfeed_server.dataplane.gets import accept_get
 from tokenfeed_server.dataplane.registry import Registry
+from tokenfeed_server.dataplane.rings import open_rings
 from tokenfeed_server.dataplane.scheduler import TokenBucket
 from tokenfeed_server.dataplane.serving import Serving
-from tokenfeed_server.dataplane.rings import open_rings
 from tokenfeed_server.dataplane.snapshot import EMPTY_SNAPSHOT, make_snapshot
 from tokenfeed_server.dataplane.unattached import Unattached
 from tokenfeed_server.dataplane.wire import Wire, tenant_of

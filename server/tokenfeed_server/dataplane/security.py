@@ -15,6 +15,7 @@ from pathlib import Path
 import zmq
 
 from tokenfeed.errors import ConfigError
+from tokenfeed.protocol.curve import is_z85_key
 from tokenfeed_server.config import ServerConfig
 from tokenfeed_server.dataplane.auth import Tenants, ZapHandler
 
@@ -22,15 +23,20 @@ log = logging.getLogger(__name__)
 
 
 def tenants_for(config: ServerConfig) -> Tenants | None:
-    """The tenant table this config asks for; None for an open server."""
+    """The tenant table this config asks for; None for an open server. Under CURVE each
+    tenant expects the client key issued from the server's secret key."""
+    tenants = None
     if config.tenants_file is not None:
         if config.token:
             raise ConfigError("give --tenants or --token, not both")
+        tenants = Tenants.load(config.tenants_file, config.admin_token)
+    elif config.token:  # its form is checked where the settings are (config.ServerConfig)
+        tenants = Tenants.shared_token(config.token, config.admin_token)
+    if tenants is not None:
         warn_cleartext(config)
-        return Tenants.load(config.tenants_file, config.admin_token)
-    if config.token:  # its form is checked where the settings are (config.ServerConfig)
-        warn_cleartext(config)
-        return Tenants.shared_token(config.token, config.admin_token)
+        if config.curve_secret_key_file is not None:
+            tenants.use_curve(read_secret_key(config.curve_secret_key_file))
+        return tenants
     if config.curve_secret_key_file is not None:
         raise ConfigError("CURVE needs tokens to identify clients: add --token or --tenants")
     if not config.is_loopback():
@@ -115,7 +121,7 @@ def read_secret_key(path: Path) -> bytes:
         key = path.read_text().strip().encode()
     except OSError as exc:
         raise ConfigError(f"cannot read CURVE secret key {path}: {exc}") from None
-    if len(key) != 40:
+    if not is_z85_key(key):
         raise ConfigError(
             f"{path} is not a Z85 CURVE key (40 characters); "
             "make one with `tokenfeed-server keygen`"

@@ -44,7 +44,8 @@ def _peer_of(fd: int) -> object | None:
     except OSError:
         return None
     try:
-        return dup.getpeername()
+        peer: object = dup.getpeername()
+        return peer
     except OSError:
         return None
     finally:

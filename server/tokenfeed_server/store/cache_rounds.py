@@ -101,10 +101,10 @@ class Rounds:
 
     def _start(self, ds: RemoteDataset, starts: npt.NDArray[np.int64], length: int) -> _Partial:
         row_bytes = length * ds.dtype.itemsize
-        problem = one_row_fits(ds.cache.capacity, ds.piece_bytes, row_bytes)
+        problem = one_row_fits(ds.cache.capacity, ds.largest_piece, row_bytes)
         pieces = [row_piece_ids(ds, int(s), row_bytes) for s in starts.tolist()]
         worst = max(map(len, pieces))
-        if problem is not None and worst * ds.piece_bytes > ds.cache.capacity:
+        if problem is not None and worst * ds.largest_piece > ds.cache.capacity:
             raise CacheTooSmall(f"dataset {ds.name!r}: {problem}")
         n = len(starts)
         return _Partial(np.empty((n, length), dtype=ds.dtype), np.zeros(n, dtype=bool), pieces)
@@ -117,7 +117,7 @@ class Rounds:
         here = dict(zip(ids, ds.cache.resident_many([ds.digests[g] for g in ids]), strict=True))
         ready = [i for i in todo if all(here[g] for g in partial.pieces[i])]
         order = ready or sorted(todo, key=lambda i: partial.pieces[i])
-        room = max(1, ds.cache.round_bytes // ds.piece_bytes)
+        room = max(1, ds.cache.round_bytes // ds.largest_piece)
         chosen: list[int] = []
         held: set[int] = set()
         for i in order:

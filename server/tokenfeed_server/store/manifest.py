@@ -317,10 +317,11 @@ class Manifest:
         """Hand over this version-3 manifest's digests, read and checked by the caller
         (e.g. a sidecar downloaded and memory-mapped off the data plane's loop)."""
         state = self._piece_state
-        with state.lock:
-            if state.digests is None:
-                state.digests = digests
-                state.loads += 1
+        # Without the state's lock: a blocking reader may hold it while it waits for the
+        # very thread that calls this (one assignment of equal content: no race to fear).
+        if state.digests is None:
+            state.digests = digests
+            state.loads += 1
 
     @property
     def pieces_loaded(self) -> bool:
@@ -356,8 +357,7 @@ class Manifest:
             return state.digests
         if self.format_version < 2:
             raise ManifestError(
-                f"dataset {self.name!r} has a version-1 manifest without piece checksums; "
-                f"{_FIX}"
+                f"dataset {self.name!r} has a version-1 manifest without piece checksums; {_FIX}"
             )
         if self.format_version == 2:
             with state.lock:

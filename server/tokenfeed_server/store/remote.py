@@ -77,7 +77,10 @@ class RemoteDataset(Dataset):
         self._piece_base = np.asarray(self.pieces.base, dtype=np.int64)
         self._piece_base_list = self.pieces.base
         #: Bytes of every shard file (what the whole dataset takes in a cache).
-        self.nbytes = sum(s.file_size(manifest.itemsize) for s in manifest.shards)
+        self.nbytes = sum(self.pieces.sizes)
+        #: the largest piece: the piece size, or the largest shard file when every shard
+        #: is smaller than a piece (what one row can need of the cache, per piece)
+        self.largest_piece = max(1, min(self.piece_bytes, max(self.pieces.sizes, default=0)))
         #: requests too big for the cache at once, read in rounds
         self.rounds = Rounds()
         #: version 3: where the digests come from (fetched off the loop on first need)

@@ -199,7 +199,7 @@ class RemoteSidecar:
         actual = f"{CHECKSUM_ALGO}:{hasher.hexdigest()}"
         if actual != self.manifest.pieces_checksum:
             raise ManifestError(
-                f"{self.url}: the piece sidecar object is damaged (checksum {actual}, the "
+                f"{self.url}: the piece sidecar is damaged (checksum {actual}, the "
                 f"manifest says {self.manifest.pieces_checksum}); {_FIX}"
             )
 
