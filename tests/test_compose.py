@@ -224,8 +224,14 @@ def test_compose_matches_the_dockerfile() -> None:
     # The healthcheck is the image's (GET /readyz); compose only probes it more often.
     assert "test" not in server["healthcheck"]
     store = image_env["TOKENFEED_STORE"]
-    for name in ("prepare", "server"):
-        assert [interpolate(v, {}) for v in services[name]["volumes"]] == [f"store:{store}"]
+    volumes = {name: [interpolate(v, {}) for v in services[name]["volumes"]] for name in services}
+    assert volumes["prepare"] == [f"store:{store}"]
+    # the server's ring door, on a volume the trainer shares (shared-memory rings)
+    door = env["TOKENFEED_RING_DOOR"]
+    assert volumes["server"] == [f"store:{store}", f"rings:{door}"]
+    assert volumes["trainer"] == [f"rings:{door}"]
+    assert service_env(services["trainer"], {})["TOKENFEED_SHARED_MEMORY"] == "1"
+    assert any(f"mkdir -p /data/store {door}" in run for run in stages["server"].all("RUN"))
     endpoint = service_env(services["trainer"], {})["TOKENFEED_ENDPOINT"]
     assert endpoint == f"tcp://server:{env['TOKENFEED_ZMQ_PORT']}"
 

@@ -70,7 +70,9 @@ class Unattached:
 
     Args:
         sock: the ROUTER socket (a monitor is attached to it here).
-        max_count: unattached connections allowed at once; beyond it the newest is closed.
+        max_count: unattached connections allowed at once; beyond it the oldest is closed
+            (a trainer's new connection says hello at once: a flood of silent ones
+            must not lock it out until they time out).
         timeout_s: an unattached connection is closed this long after it was accepted.
         counters: the data plane's counters (``unattached_closed``, ``unattached_refused``).
     """
@@ -112,11 +114,11 @@ class Unattached:
                 self._pending.pop(fd, None)  # a reused descriptor: the old one has gone
                 self._pending[fd] = (time.monotonic(), _peer_of(fd))
                 if len(self._pending) > self.max_count:
-                    self._close(fd, "unattached_refused")
+                    self._close(next(iter(self._pending)), "unattached_refused")
                     if self._log_budget.take():
                         log.warning(
                             "data port: %d connections have not said hello "
-                            "(--max-unattached-connections): closing a new one",
+                            "(--max-unattached-connections): closing the oldest",
                             self.max_count,
                         )
 
