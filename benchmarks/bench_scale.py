@@ -153,7 +153,10 @@ def jobs_rows(root: Path, jobs: int, conns: int, batches: int) -> list[Row]:
     make_dataset(store, "web", shards=8, apparent_bytes=8 * SHARD_BYTES)
     rows = []
     for n_jobs, n_conns in ((1, 1), (jobs, conns)):
-        srv, _ = serve(store, ["web"], extra=["--max-jobs", str(max(256, jobs))])
+        caps = ["--max-jobs", str(max(256, jobs)), "--max-jobs-per-tenant", str(max(256, jobs)),
+                "--max-connections", str(max(4096, conns)),
+                "--max-connections-per-tenant", str(max(4096, conns))]  # fmt: skip
+        srv, _ = serve(store, ["web"], extra=caps)
         per_job = max(1, n_conns // n_jobs)
 
         def drive(driver: Driver, n_jobs: int = n_jobs, per_job: int = per_job) -> int:
@@ -178,7 +181,8 @@ def mixture_row(root: Path, sources: int, batches: int) -> Row:
     store = root / "mix"
     names = tiny_datasets(store, sources, prefix="src")
     srv, listed = serve(store, names)
-    weights = {name: 1000 + 37 * i for i, name in enumerate(names)}  # big period tables
+    # big period tables: weights summing to 64,256 per period (65,536 at most)
+    weights = {name: 500 + 16 * i for i, name in enumerate(names)}
     mix = Mixture(weights)
     spec = JobSpec("", SEQ - 1, BATCH, 0, 1, sources=tuple(names), schedule=mix.to_wire())
     try:

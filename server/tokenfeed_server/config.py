@@ -221,7 +221,9 @@ class MemorySettings(BaseModel):
         default=256 << 20, ge=0, description="bytes of row buffers (and views) kept for reuse"
     )
     window_blocks_bytes: Annotated[int, BeforeValidator(as_size)] = Field(
-        default=16 << 20, ge=0, description="bytes of stream order blocks kept for reuse"
+        default=64 << 20,
+        ge=0,
+        description="bytes of stream order blocks kept for reuse (128 KiB per job's current block)",
     )
     memory_idle_s: float = Field(
         default=60.0, gt=0, description="free kept buffers and blocks unused this long"

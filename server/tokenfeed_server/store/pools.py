@@ -43,7 +43,9 @@ __all__ = [
 DEFAULT_POOL_BYTES = 256 * 1024 * 1024
 #: Bytes :class:`WindowBlocks` keeps at most (64 blocks of a mixture's four int64 arrays
 #: of 8,192 positions).
-DEFAULT_WINDOW_BLOCK_BYTES = 16 * 1024 * 1024
+# a plan's block of 8192 positions is 128 KiB: room for 512 jobs' current blocks (a
+# server of 256 jobs with their own seeds recomputed a block per request at 16 MiB)
+DEFAULT_WINDOW_BLOCK_BYTES = 64 * 1024 * 1024
 
 # What one row's entry costs beyond the buffer: the 1-tuple and the memoryview slice in
 # it (measured, not guessed: the sizes differ between Python versions).
@@ -284,7 +286,7 @@ class WindowBlocks:
     """
 
     def __init__(
-        self, block: int = 8192, max_blocks: int = 64, max_bytes: int = DEFAULT_WINDOW_BLOCK_BYTES
+        self, block: int = 8192, max_blocks: int = 1024, max_bytes: int = DEFAULT_WINDOW_BLOCK_BYTES
     ) -> None:
         self.block = block
         self.max_blocks = max_blocks
