@@ -223,7 +223,7 @@ class RingDoor:
             return
         socket.send_fds(conn, [b"ok" + offer.proof], [offer.ring.fd])
         self.handed += 1
-        log.info("ring door: ring of %s handed to pid %d uid %d", offer.owner, pid, uid)
+        log.debug("ring door: ring of %s handed to pid %d uid %d", offer.owner, pid, uid)
 
 
 def _answers(path: Path) -> bool:
