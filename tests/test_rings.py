@@ -16,12 +16,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
 
 from live_server import LiveServer, tenants_toml
+from old_server import OldServer
 from shard_data import BYTE, random_docs
 from tokenfeed import protocol
 from tokenfeed.protocol import JobSpec
@@ -258,51 +258,8 @@ def test_a_dead_trainers_ring_is_reclaimed(tenants_server: LiveServer, tmp_path:
     assert _open_rings(tenants_server) <= before
 
 
-class _OldServer:
-    """A ROUTER answering as a server from before rings: refuses ``ring`` by name."""
-
-    def __init__(self) -> None:
-        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.hellos: list[dict[str, object]] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        welcome = protocol.Welcome(
-            server="old", job="0123456789abcdef", fingerprint="f" * 32, n_tokens=4000,
-            n_windows=249, dtype="uint16", window=4, max_count=8, eos_id=256,
-        )  # fmt: skip
-        while not self._done.is_set():
-            if not self.sock.poll(50):
-                continue
-            ident, frame = self.sock.recv_multipart()
-            fields = msgpack.unpackb(frame)
-            if fields["t"] != "hello":
-                continue
-            self.hellos.append(fields)
-            answer: protocol.Message = welcome
-            if "ring" in fields:
-                answer = protocol.Err(
-                    code="bad_request", retry=False, req=-1,
-                    message="hello: unexpected fields ['ring']; the peer speaks a newer "
-                    "protocol than this end: install matching versions of tokenfeed and "
-                    "tokenfeed-server",
-                )  # fmt: skip
-            self.sock.send_multipart([ident, answer.header()])
-
-    def close(self) -> None:
-        self._done.set()
-        self._thread.join(5)
-        self.sock.close(0)
-        self.ctx.term()
-
-
 def test_a_new_client_on_an_old_server_leaves_the_ring_out() -> None:
-    old = _OldServer()
+    old = OldServer({"ring"})
     try:
         options = ClientOptions(request_timeout=2.0, deadline=10.0)
         with FeedClient(old.endpoint, JobSpec("alpha", 16, 4, 5, 1), rank=0, worker=0,

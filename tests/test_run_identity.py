@@ -10,7 +10,6 @@ id must send exactly those bytes. A server from before run ids refuses a hello w
 from __future__ import annotations
 
 import pickle
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 import zmq
 
 from live_server import LiveServer
+from old_server import OldServer
 from shard_data import BYTE, random_docs
 from tokenfeed import TokenFeedDataset, protocol
 from tokenfeed.errors import ConfigError, ProtocolError
@@ -64,11 +64,6 @@ PINNED_BYTES = {
     + _HEAD.format(ds="a0", rank="00", worker="00")
     + "a7736f757263657392a5616c706861a462657461a87363686564756c659193000301",
 }
-# How a server from before run ids refused a hello with ``run`` (its decoder's words).
-OLD_REFUSAL = (
-    "hello: unexpected fields ['run']; the peer speaks a newer protocol than this end: "
-    "install matching versions of tokenfeed and tokenfeed-server"
-)
 
 
 @pytest.fixture(scope="module")
@@ -152,48 +147,8 @@ def test_a_bad_run_id_is_refused(server: LiveServer) -> None:
     assert refusal.code == "bad_request" and "invalid run id" in refusal.message
 
 
-class OldServer:
-    """A ROUTER that answers as a server from before run ids: a hello with ``run`` is
-    refused with that server's words, one without it welcomed. Keeps every hello frame
-    (and answers nothing else: a test only says hello to it, and bye)."""
-
-    def __init__(self) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.frames: list[bytes] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        welcome = protocol.Welcome(
-            server="old", job="0123456789abcdef", fingerprint="f" * 32, n_tokens=4000,
-            n_windows=249, dtype="uint16", window=4, max_count=8, eos_id=256,
-        )  # fmt: skip
-        while not self._done.is_set():
-            if not self.sock.poll(50):
-                continue
-            ident, frame = self.sock.recv_multipart()
-            fields = msgpack.unpackb(frame)
-            if fields["t"] != "hello":  # a closing client's bye: no answer
-                continue
-            self.frames.append(frame)
-            if "run" in fields:
-                answer = protocol.Err(code="bad_request", message=OLD_REFUSAL, retry=False, req=-1)
-                self.sock.send_multipart([ident, answer.header()])
-            else:
-                self.sock.send_multipart([ident, welcome.header()])
-
-    def close(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=5)
-        self.sock.close(linger=0)
-
-
 def test_a_new_client_says_hello_to_an_old_server_without_its_run() -> None:
-    old = OldServer()
+    old = OldServer({"run"})
     job = JobSpec("alpha", 16, 4, 5, 2, run="run-a")
     options = ClientOptions(request_timeout=2.0, deadline=10.0)
     try:

@@ -10,7 +10,6 @@ before run ids too, without both.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import zmq
 
 from live_server import LiveServer
+from old_server import OldServer
 from shard_data import BYTE, random_docs
 from test_console import browser, expect  # noqa: F401  (fixture)
 from tokenfeed import TokenFeedDataset, protocol
@@ -142,58 +142,11 @@ def test_a_server_from_before_skipped_ranges_shows_none_in_the_cli() -> None:
     assert skipped_steps({**old, "skipped": [[8, 4], [40, 12]]}) == "2, 10-12"
 
 
-class OldServer:
-    """A ROUTER answering hello as a server that knows only the fields ``known`` of
-    ``run`` and ``skipped`` does: the others refused in that server's words."""
-
-    def __init__(self, known: tuple[str, ...]) -> None:
-        self.known = known
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.frames: list[dict[str, Any]] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        welcome = protocol.Welcome(
-            server="old", job="0123456789abcdef", fingerprint="f" * 32, n_tokens=4000,
-            n_windows=249, dtype="uint16", window=4, max_count=8, eos_id=256,
-        )  # fmt: skip
-        while not self._done.is_set():
-            if not self.sock.poll(50):
-                continue
-            ident, frame = self.sock.recv_multipart()
-            fields = msgpack.unpackb(frame)
-            if fields["t"] != "hello":
-                continue
-            self.frames.append(fields)
-            extra = sorted(k for k in ("run", "skipped") if k in fields and k not in self.known)
-            if extra:
-                message = (
-                    f"hello: unexpected fields {extra}; the peer speaks a newer protocol "
-                    "than this end: install matching versions of tokenfeed and tokenfeed-server"
-                )
-                answer: protocol.Message = protocol.Err(
-                    code="bad_request", message=message, retry=False, req=-1
-                )
-            else:
-                answer = welcome
-            self.sock.send_multipart([ident, answer.header()])
-
-    def close(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=5)
-        self.sock.close(linger=0)
-
-
 @pytest.mark.parametrize("known", [("run",), ()], ids=["before-skipped", "before-run-ids"])
 def test_a_new_client_says_hello_to_an_old_server_without_its_skipped(
     known: tuple[str, ...],
 ) -> None:
-    old = OldServer(known)
+    old = OldServer({"run", "skipped"} - set(known))
     job = JobSpec("alpha", 16, 4, 5, 2, run="run-a")
     options = ClientOptions(request_timeout=2.0, deadline=10.0)
     try:
@@ -204,7 +157,7 @@ def test_a_new_client_says_hello_to_an_old_server_without_its_skipped(
             client.hello()  # a reconnect: nothing refused again
     finally:
         old.close()
-    sent = old.frames
+    sent = old.hellos
     assert sent[0]["skipped"] == [[8, 16]] and sent[0]["run"] == "run-a"
     assert all("skipped" not in f for f in sent[1:])
     if known:  # a server with run ids keeps getting the run id

@@ -14,7 +14,6 @@ words stands in for it), and an old client's hello is the bytes it always was.
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 import zmq
 
 from live_server import LiveServer
+from old_server import OldServer
 from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
 from shard_data import BYTE
 from tokenfeed import TokenFeedDataset, protocol
@@ -176,52 +176,9 @@ def _fetched(srv: LiveServer) -> bool:
 
 # -- mixed versions -------------------------------------------------------------------
 
-OLD_REFUSAL = (
-    "hello: unexpected fields ['allow_read_amplification']; the peer speaks a newer "
-    "protocol than this end: install matching versions of tokenfeed and tokenfeed-server"
-)
-
-
-class _OldServer:
-    """A ROUTER answering as a server from before ``allow_read_amplification``: a hello
-    with it is refused in that server's words, one without it welcomed."""
-
-    def __init__(self) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.frames: list[dict[str, Any]] = []
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        welcome = protocol.Welcome(
-            server="old", job="0123456789abcdef", fingerprint="f" * 32, n_tokens=4000,
-            n_windows=249, dtype="uint16", window=4, max_count=8, eos_id=256,
-        )  # fmt: skip
-        while not self._done.is_set():
-            if not self.sock.poll(50):
-                continue
-            ident, frame = self.sock.recv_multipart()
-            fields = msgpack.unpackb(frame)
-            if fields["t"] != "hello":
-                continue
-            self.frames.append(fields)
-            if "allow_read_amplification" in fields:
-                answer = protocol.Err(code="bad_request", message=OLD_REFUSAL, retry=False, req=-1)
-                self.sock.send_multipart([ident, answer.header()])
-            else:
-                self.sock.send_multipart([ident, welcome.header()])
-
-    def close(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=5)
-        self.sock.close(linger=0)
-
 
 def test_a_new_client_asking_for_amplification_talks_to_an_old_server() -> None:
-    old = _OldServer()
+    old = OldServer({"allow_read_amplification"})
     options = ClientOptions(request_timeout=2.0, deadline=10.0, allow_read_amplification=True)
     try:
         with FeedClient(old.endpoint, JobSpec("d", 16, 4, 5, 1), rank=0, worker=0,
@@ -229,10 +186,10 @@ def test_a_new_client_asking_for_amplification_talks_to_an_old_server() -> None:
             assert client.hello().job == "0123456789abcdef"
     finally:
         old.close()
-    assert [f.get("allow_read_amplification") for f in old.frames] == [True, None]
+    assert [f.get("allow_read_amplification") for f in old.hellos] == [True, None]
     # refused, the client asks again with exactly the hello of a client without it
-    assert old.frames[1] == {
-        k: v for k, v in old.frames[0].items() if k != "allow_read_amplification"
+    assert old.hellos[1] == {
+        k: v for k, v in old.hellos[0].items() if k != "allow_read_amplification"
     }
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from s3_server import S3Server, s3_server_module  # noqa: F401  (fixtures)
-from shard_data import BYTE
+from shard_data import BYTE, PINNED, pinned_docs
 from tokenfeed.errors import ManifestError
 from tokenfeed_server.store import open_dataset
 from tokenfeed_server.store.cache import PieceCache
@@ -31,13 +31,6 @@ from tokenfeed_server.store.writer import write_dataset
 
 PIECE = 4096
 BUCKET = "format-v3"
-#: The version-2 fingerprint of :func:`_pinned` (see tests/test_versions.py: written by
-#: the release before versions); version 3 must keep it.
-PINNED = "82fae2e52c8c3b840f3e2522a17725e1"
-
-
-def _pinned() -> list[np.ndarray]:
-    return [(np.arange(20 + (i * 7) % 90) * (i + 3)) % 256 for i in range(400)]
 
 
 def _docs(seed: int, n: int = 120) -> list[np.ndarray]:
@@ -148,7 +141,7 @@ def test_v2_still_served_and_fingerprints_equal(tmp_path: Path) -> None:
             assert a.manifest.shard_pieces(k) == b.manifest.shard_pieces(k)
     assert not (tmp_path / "two" / PIECES_NAME).exists()
     pinned = write_dataset(
-        tmp_path / "pin", "pin", _pinned(), tokenizer=BYTE, shuffle_seed=5, shard_tokens=8000
+        tmp_path / "pin", "pin", pinned_docs(), tokenizer=BYTE, shuffle_seed=5, shard_tokens=8000
     )
     assert pinned.format_version == 3 and pinned.fingerprint == PINNED
 

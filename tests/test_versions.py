@@ -23,7 +23,7 @@ import pytest
 
 from live_server import LiveServer
 from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
-from shard_data import BYTE
+from shard_data import BYTE, PINNED, pinned_docs
 from tokenfeed_server.store import Store, open_dataset, write_dataset
 from tokenfeed_server.store.cache import PieceCache
 from tokenfeed_server.store.catalog import read_catalog
@@ -41,15 +41,6 @@ from tokenfeed_server.store.versions import (
 from waiting import wait_until
 
 BUCKET = "versions"
-#: The fingerprint of :func:`pinned_docs` as written below, by the release before versions
-#: (computed with it): neither the version layout nor anything else may change it, or
-#: every checkpoint saved on such a build would stop resuming.
-PINNED = "82fae2e52c8c3b840f3e2522a17725e1"
-
-
-def pinned_docs() -> list[np.ndarray]:
-    """Documents made by arithmetic only (no random generator whose stream could change)."""
-    return [(np.arange(20 + (i * 7) % 90) * (i + 3)) % 256 for i in range(400)]
 
 
 def docs(seed: int, n: int = 150) -> list[np.ndarray]:
