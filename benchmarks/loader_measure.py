@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from systems import descendants_cpu
 from tokenfeed_server.launch import ServerProcess
 
 HERE = Path(__file__).resolve().parent
@@ -41,14 +42,9 @@ class Server(ServerProcess):
     def cpu(self) -> float:
         """CPU seconds of the server, its threads and its children (live or reaped)."""
         t = self.ps.cpu_times()
-        total = t.user + t.system + t.children_user + t.children_system
-        for child in self.ps.children(recursive=True):
-            try:
-                c = child.cpu_times()
-            except psutil.Error:
-                continue
-            total += c.user + c.system
-        return total
+        return (
+            t.user + t.system + t.children_user + t.children_system + descendants_cpu(self.ps.pid)
+        )
 
 
 def anon_bytes(pid: int) -> int:

@@ -278,13 +278,16 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _live_children_cpu() -> float:
-    # Workers a loader keeps alive past the loop (not reaped, so not in RUSAGE_CHILDREN)
-    # still did the loading: count what they used so far.
+def descendants_cpu(pid: int | None = None) -> float:
+    """CPU seconds the live descendants of ``pid`` (default: this process) used so far.
+
+    Workers a loader keeps alive past the loop (not reaped, so not in
+    ``RUSAGE_CHILDREN``) still did the loading; a server's children likewise.
+    """
     import psutil
 
     total = 0.0
-    for child in psutil.Process().children(recursive=True):
+    for child in psutil.Process(pid).children(recursive=True):
         try:
             t = child.cpu_times()
         except psutil.Error:
@@ -327,7 +330,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     close = getattr(loader, "close", None)
     if callable(close):
         close()
-    cpu = _cpu_seconds() - cpu0 + _live_children_cpu()
+    cpu = _cpu_seconds() - cpu0 + descendants_cpu()
     ttfb = waits[0]
     steady = t_end - t0 - ttfb
     return {

@@ -33,6 +33,8 @@ from typing import Any
 import boto3
 import pytest
 
+from tokenfeed_server.store.objects import ObjectStore, S3Location
+
 __all__ = ["S3Server", "s3_server", "s3_server_module"]
 
 ACCESS_KEY = "testing"
@@ -216,3 +218,16 @@ def s3_server_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Ser
         yield server
     finally:
         server.stop()
+
+
+def empty_bucket(
+    server: S3Server, monkeypatch: pytest.MonkeyPatch, bucket: str, prefix: str = "p"
+) -> ObjectStore:
+    """An empty ``bucket`` on ``server`` (everything else on it cleared), this process's AWS
+    environment pointing at it, and the object store at ``prefix`` in it."""
+    server.reset()
+    server.make_bucket(bucket)
+    for key, value in server.env({}).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    return ObjectStore(S3Location(bucket, prefix))

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from s3_server import S3Server, s3_server_module  # noqa: F401  (fixtures)
+from s3_server import S3Server, empty_bucket, s3_server_module  # noqa: F401  (fixtures)
 from shard_data import BYTE, PINNED, pinned_docs
 from tokenfeed.errors import ManifestError
 from tokenfeed_server.store import open_dataset
@@ -23,7 +23,7 @@ from tokenfeed_server.store.cache import PieceCache
 from tokenfeed_server.store.format import MANIFEST_NAME, PIECES_NAME, piece_digest
 from tokenfeed_server.store.gc import gc_objects
 from tokenfeed_server.store.manifest import Manifest
-from tokenfeed_server.store.objects import ObjectStore, S3Location
+from tokenfeed_server.store.objects import ObjectStore
 from tokenfeed_server.store.publish import publish_dataset, read_published
 from tokenfeed_server.store.remote import open_remote_dataset, read_blocking
 from tokenfeed_server.store.verify import verify_local, verify_published
@@ -152,12 +152,7 @@ def objects(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[ObjectStore]:
     """An empty bucket on the shared moto server, this process's AWS env pointing at it."""
-    s3_server_module.reset()
-    s3_server_module.make_bucket(BUCKET)
-    for key, value in s3_server_module.env({}).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    yield ObjectStore(S3Location(BUCKET, "p"))
+    yield empty_bucket(s3_server_module, monkeypatch, BUCKET)
 
 
 def test_publish_and_serve_a_v3_dataset_from_s3(objects: ObjectStore, tmp_path: Path) -> None:

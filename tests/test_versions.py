@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from live_server import LiveServer
-from s3_server import S3Server, s3_server_module  # noqa: F401  (fixture)
+from s3_server import S3Server, empty_bucket, s3_server_module  # noqa: F401  (fixture)
 from shard_data import BYTE, PINNED, pinned_docs
 from tokenfeed_server.store import Store, open_dataset, write_dataset
 from tokenfeed_server.store.cache import PieceCache
@@ -178,12 +178,7 @@ def objects(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[ObjectStore]:
     """An empty bucket on the shared moto server, this process's AWS env pointing at it."""
-    s3_server_module.reset()
-    s3_server_module.make_bucket(BUCKET)
-    for key, value in s3_server_module.env({}).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    yield ObjectStore(S3Location(BUCKET, "p"))
+    yield empty_bucket(s3_server_module, monkeypatch, BUCKET)
 
 
 class _Counting(ObjectStore):

@@ -255,11 +255,6 @@ class Rings:
         """Rings handed to trainers since start."""
         return 0 if self.door is None else self.door.handed
 
-    @property
-    def held_bytes(self) -> int:
-        """Upper bound of the memory the attached rings hold (each once written)."""
-        return sum(r.size for r in list(self._rings.values()) if r.attached)
-
     def offer(self, ident: bytes, owner: str) -> tuple[str, str]:
         """A new ring for connection ``ident``: ``(door path, key)`` for its welcome,
         or ``("", "")`` when this server offers no rings."""
