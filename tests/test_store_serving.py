@@ -195,12 +195,16 @@ def assert_rows_are_the_dataset(
 
 
 @pytest.mark.network
-def test_a_shard_truncated_under_the_server_fails_only_its_jobs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native-reads", "preadv-reads"])
+def test_a_shard_truncated_under_the_server_fails_only_its_jobs(
+    tmp_path: Path, native: str
+) -> None:
     store = tmp_path / "store"
     write_dataset(store, "victim", docs(1), tokenizer=BYTE, shuffle_seed=0)
     write_dataset(store, "other", docs(2), tokenizer=BYTE, shuffle_seed=0)
     log = tmp_path / "server.log"
-    with LiveServer(store, log_path=log) as srv:
+    env = {**os.environ, "TOKENFEED_NATIVE_READS": native}
+    with LiveServer(store, log_path=log, env=env) as srv:
         victim = iter(dataset(srv, "victim", chunk_bytes=1, window=1))
         other = iter(dataset(srv, "other", chunk_bytes=1, window=1))
         next(victim)

@@ -37,7 +37,7 @@ from tokenfeed_server.http.guard import (
     reserved_listener,
 )
 from tokenfeed_server.http.state import ServerState
-from tokenfeed_server.store import Store, memory
+from tokenfeed_server.store import Store, memory, rows
 from tokenfeed_server.store.handles import HANDLES
 from tokenfeed_server.store.health_check import HealthCheck
 from tokenfeed_server.store.leases import LeaseKeeper
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 def serve(config: ServerConfig, *, ready_stream: IO[str] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT; return the process exit status."""
     log.info("tokenfeed-server starting: %s", json.dumps(config.public_view()))
+    log.info("rows read: %s", rows.read_path())
     _raise_open_file_limit()
     HANDLES.configure(config.max_open_shards)  # after the limit: 0 derives from it
     tenants = security.tenants_for(config)

@@ -36,6 +36,7 @@ from tokenfeed_server.store.reader import (
     pread_exact,
     validate_dataset_name,
 )
+from tokenfeed_server.store.rows import read_rows
 
 __all__ = ["LocalDataset", "list_datasets", "open_dataset", "pread_rows"]
 
@@ -256,14 +257,14 @@ def _read_files(
     if table.slot_of.size == 1:  # one file: one descriptor for every row
         fds, tick = HANDLES.acquire(table, files[:1])
         try:
-            return sum(map(os.preadv, itertools.repeat(fds[0]), row_bufs, offsets.tolist()))
+            return read_rows(fds[0], row_bufs, offsets.tolist())
         finally:
             HANDLES.release(tick)
     limit = HANDLES.limit
     if len(files) <= limit or len(groups := np.unique(files)) <= limit:
         fds, tick = HANDLES.acquire(table, files)
         try:
-            return sum(map(os.preadv, fds, row_bufs, offsets.tolist()))
+            return read_rows(fds, row_bufs, offsets.tolist())
         finally:
             HANDLES.release(tick)
     # More files than may be open at once: a group of files at a time (rare: a request
@@ -276,7 +277,7 @@ def _read_files(
         fds, tick = HANDLES.acquire(table, files[rows])
         try:
             picked = map(bufs.__getitem__, rows.tolist())
-            got += sum(map(os.preadv, fds, picked, offsets[rows].tolist()))
+            got += read_rows(fds, picked, offsets[rows].tolist())
         finally:
             HANDLES.release(tick)
     return got

@@ -29,6 +29,7 @@ from tokenfeed_server.store.reader import (
     pread_exact,
     validate_dataset_name,
 )
+from tokenfeed_server.store.rows import read_rows
 from tokenfeed_server.store.sidecar import attach_remote_pieces
 from tokenfeed_server.store.versions import version_key
 from tokenfeed_server.store.waiters import NotResident
@@ -245,7 +246,7 @@ class RemoteDataset(Dataset):
             if plan.simple is not None:
                 row_bufs = itertools.compress(row_bufs, plan.simple.tolist())
             try:
-                got = sum(map(os.preadv, fds_simple, row_bufs, plan.inner.tolist()))
+                got = read_rows(fds_simple, row_bufs, plan.inner.tolist())
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):  # said as such, not "changed"
                     raise self._cache_error(int(plan.ids[0]), os.strerror(exc.errno)) from exc
