@@ -7,7 +7,9 @@ opens a job of the mixture (a new run each time), reads one chunk and says bye,
 ``--opens`` times; another reads a single-dataset job all along and notes its slowest
 request (what a trainer of another job waits). At the end the server's
 ``tokenfeed_loop_busiest_turn_seconds{window="since_start"}`` is read from ``/metrics``.
-Target (issue 23): under 0.050 s.
+Target (issue 23): under 0.050 s. ``--new-seeds`` gives every job a seed of its own, so
+its first order block is not cached yet (computed off the loop since issue 23's fix);
+``--pause`` spaces the opens.
 
 ``--src DIR`` runs the server from another source tree. For a before/after figure
 across a store format change run the whole script from that tree, so the store is
@@ -124,6 +126,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--opens", type=int, default=8, help="mixture jobs opened and closed")
     parser.add_argument("--src", type=Path, help="run the server from this source tree")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=0.0,
+        help="seconds between opens (over the 0.5 s housekeeping, every open builds the "
+        "tables again: the last job freed them)",
+    )
+    parser.add_argument(
+        "--new-seeds",
+        action="store_true",
+        help="a seed of its own per job (its first order block is not cached yet)",
+    )
     args = parser.parse_args()
     env = dict(os.environ)
     if args.src is not None:
@@ -141,11 +155,15 @@ def main() -> None:
             opened = []
             for i in range(args.opens):
                 t0 = time.perf_counter()
-                msg = hello(sources=tuple(names), schedule=schedule, run=f"r{i}", client=f"m{i}")
+                seed = 100 + i if args.new_seeds else 1
+                msg = hello(
+                    sources=tuple(names), schedule=schedule, run=f"r{i}", client=f"m{i}", seed=seed
+                )
                 job = wire.welcome(msg).job
                 wire.get(job, 0)
                 wire.sock.send(protocol.Bye(consumed=BATCH).header())
                 opened.append(time.perf_counter() - t0)
+                time.sleep(args.pause)
             stop.set()
             thread.join()
             time.sleep(1.0)  # one more snapshot

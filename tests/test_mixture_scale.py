@@ -8,6 +8,9 @@
   built; the loop's busiest turn itself is measured in benchmarks/bench_mixture_open.py).
 - A mixture is admitted as a whole: a source that cannot be served refuses the whole job,
   named, and leaves no job and no tables behind.
+- A new job of a many-source mixture has its first block of order computed on the builder
+  thread before it is admitted (the counters say so), its later blocks on the loop; a big
+  mixture's tables go with the job that took them over, however soon it closes.
 
 Raw protocol messages on loopback, so these depend on the wire, not the client library.
 """
@@ -28,7 +31,9 @@ from shard_data import BYTE
 from tokenfeed import protocol
 from tokenfeed.mixture import Mixture
 from tokenfeed_server.store import write_dataset
+from tokenfeed_server.store.mixing import INLINE_BLOCK_SOURCES
 from tokenfeed_server.store.mixture_tables import INLINE_TABLE_ROWS, table_bytes, table_rows
+from tokenfeed_server.store.pools import WindowBlocks
 
 pytestmark = pytest.mark.network
 
@@ -37,6 +42,9 @@ SEQ, BATCH = 16, 2
 SMALL = Mixture({"web": 500, "code": 300, "math": 1})  # built at once: under the inline rows
 # three distinct weightings of the largest period: tables near MAX_TABLE_ROWS
 BIG_SCHEDULE = tuple((k * 10, 65535 - 2 * k, 1 + 2 * k) for k in range(3))
+# more sources than are computed inline: a new job's first block is the builder's
+MANY = tuple(f"many{i:02d}" for i in range(INLINE_BLOCK_SOURCES + 4))
+BLOCK = WindowBlocks().block
 
 
 def docs(lo: int, hi: int, n: int, seed: int) -> list[np.ndarray]:
@@ -49,6 +57,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("store")
     for i, name in enumerate(("web", "code", "math")):
         write_dataset(root, name, docs(i * 80, i * 80 + 80, 60, i), tokenizer=BYTE, shuffle_seed=i)
+    for i, name in enumerate(MANY):
+        write_dataset(root, name, docs(0, 200, 20, 20 + i), tokenizer=BYTE, shuffle_seed=i)
     broken = root / "broken"
     write_dataset(root, "broken", docs(0, 80, 20, 9), tokenizer=BYTE, shuffle_seed=9)
     (broken / "manifest.json").write_text("{ not json")
@@ -237,3 +247,58 @@ def test_a_mixture_is_admitted_as_a_whole_or_not_at_all(server: LiveServer) -> N
     after = settled(server)
     assert {j["id"] for j in server.get("/v1/jobs").json()} == jobs_before
     assert after["memory"]["mixture_tables"] == before["memory"]["mixture_tables"]
+
+
+def counted(before: dict[str, int], after: dict[str, int], name: str) -> int:
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def test_a_new_many_source_job_finds_its_first_block_computed_off_the_loop(
+    server: LiveServer,
+) -> None:
+    mixture = Mixture({name: 1 + i for i, name in enumerate(MANY)})
+    assert table_rows(mixture) <= INLINE_TABLE_ROWS  # tables at once: the block is the wait
+    start = settled(server)
+    before = start["counters"]
+    wires = {seed: Wire(server) for seed in (11, 12)}
+    try:
+        jobs = {}
+        for seed, wire in wires.items():  # another seed: tables built, its block not
+            welcome, refused = wire.welcome(
+                hello(mixture, seed=seed, run=f"s{seed}", client=f"s{seed}")
+            )
+            assert refused >= 1  # answered "ask again" while the builder computed it
+            _, rows = wire.get(welcome.job, pos=0)
+            sources, _ = mixture.locate(np.arange(BATCH))
+            assert rows[protocol.ROW_SOURCE].tolist() == sources.tolist()
+            jobs[seed] = welcome.job
+        middle = settled(server)["counters"]
+        assert counted(before, middle, "mixture_blocks_off_loop") == 2
+        assert counted(before, middle, "mixture_blocks_inline") == 0
+        # a later block is the loop's (the job reads on from its first): counted there
+        _, rows = wires[12].get(jobs[12], pos=2 * BLOCK)
+        sources, _ = mixture.locate(np.arange(2 * BLOCK, 2 * BLOCK + BATCH))
+        assert rows[protocol.ROW_SOURCE].tolist() == sources.tolist()
+        after = settled(server)["counters"]
+        assert counted(middle, after, "mixture_blocks_inline") == 1
+        assert counted(middle, after, "mixture_blocks_off_loop") == 0
+        for wire in wires.values():
+            wire.send(protocol.Bye(consumed=BATCH))
+        assert settled(server)["memory"]["mixture_tables"] == start["memory"]["mixture_tables"]
+    finally:
+        for wire in wires.values():
+            wire.close()
+
+
+def test_big_tables_go_with_a_job_that_closes_at_once(server: LiveServer) -> None:
+    mixture = Mixture.from_wire(("web", "code"), BIG_SCHEDULE)
+    base = settled(server)["memory"]["mixture_tables"]
+    wire = Wire(server)
+    try:
+        welcome, _ = wire.welcome(hello(mixture, run="at-once"))
+        wire.get(welcome.job)
+        wire.send(protocol.Bye(consumed=BATCH))  # before any housekeeping saw the job
+        # the job took the build's hold over: its close frees them, not a claim timeout
+        assert settled(server)["memory"]["mixture_tables"] == base
+    finally:
+        wire.close()

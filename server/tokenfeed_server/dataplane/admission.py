@@ -148,7 +148,7 @@ class Admission:
         jid = job_id(spec, feed, tenant)
         job = self.registry.jobs.get(jid)
         if job is not None:
-            _tables_ready(feed)  # built unless the job closed and let its tables go
+            _tables_ready(feed, new=False)  # built unless the job closed and let them go
             if not self.registry.has_peers(jid):
                 # Nobody attached: the trainer starts again (a restart from a checkpoint
                 # joins the same job id), so its old consumed position says nothing. The
@@ -245,13 +245,15 @@ def _whole(name: str, sources: int, exc: ServerError) -> ServerError:
     return ServerError.from_code(exc.code, message, retry=exc.retry, quiet=exc.quiet)
 
 
-def _tables_ready(feed: Feed) -> None:
-    """Refuse retryably while ``feed``'s mixture tables are built off the loop (see
+def _tables_ready(feed: Feed, *, new: bool = True) -> None:
+    """Refuse retryably while ``feed``'s mixture tables (and a ``new`` job's first block
+    of order) are built off the loop (see
     :meth:`~tokenfeed_server.store.mixture_tables.SharedMixtures.ready`)."""
-    if feed.mixture is not None and not shared_mixtures.ready(feed.mixture):
+    first = feed.first_block() if new else None
+    if feed.mixture is not None and not shared_mixtures.ready(feed.mixture, first):
         raise ServerError(
-            f"the tables of this mixture ({table_rows(feed.mixture)} rows) are being built "
-            "for it; ask again shortly",
+            f"the tables of this mixture ({table_rows(feed.mixture)} rows) or its first "
+            "block of order are being built for it; ask again shortly",
             retry=True,
             code="overloaded",
             quiet=True,

@@ -42,10 +42,11 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-__all__ = ["HEADER_BYTES", "Ring", "RingDoor", "Rings", "open_rings"]
+__all__ = ["HEADER_BYTES", "Ring", "RingDoor", "Rings", "Space", "open_rings"]
 
 log = logging.getLogger(__name__)
 
@@ -85,30 +86,46 @@ class Ring:
         m = self._map
         return m is not None and struct.unpack_from("<Q", m, _ATTACHED_AT)[0] == ATTACHED
 
-    def put(self, tokens: np.ndarray) -> tuple[int, int] | None:
-        """Copy ``tokens`` into released space: ``(offset, end)`` for the chunk header
-        (``end``: the trainer writes it as ``released`` once it copied them out), or None
-        when the ring is not attached or has no room (send over TCP instead)."""
+    def reserve(self, nbytes: int) -> tuple[int, int] | None:
+        """Room for ``nbytes`` in released space: ``(offset, bytes it takes)`` to fill
+        and then :meth:`commit`, or None when the ring is not attached or has no room
+        (send over TCP instead). Nothing changes until the commit, so a read that fails
+        in between leaves the ring as it was."""
         m = self._map
         if m is None or not self.attached:
             return None
-        n = tokens.nbytes
         released = struct.unpack_from("<Q", m, _RELEASED_AT)[0]
         if released > self.allocated:  # a trainer writing nonsense: stop using the ring
             self.close()
             return None
         pos = self.allocated % self.capacity
-        pad = self.capacity - pos if pos + n > self.capacity else 0
-        need = pad + -(-n // _ALIGN) * _ALIGN
+        pad = self.capacity - pos if pos + nbytes > self.capacity else 0
+        need = pad + -(-nbytes // _ALIGN) * _ALIGN
         if need > self.capacity - (self.allocated - released):
             return None
-        offset = HEADER_BYTES + (0 if pad else pos)
-        np.frombuffer(m, dtype=np.uint8, count=n, offset=offset)[:] = tokens.reshape(-1).view(
-            np.uint8
-        )
+        return HEADER_BYTES + (0 if pad else pos), need
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """The ring's ``nbytes`` from ``offset`` as a writable uint8 array (drop it
+        before the ring closes)."""
+        assert self._map is not None
+        return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
+
+    def commit(self, offset: int, need: int) -> tuple[int, int]:
+        """Mark a :meth:`reserve`-d region as written: ``(offset, end)`` for the chunk
+        header (``end``: the trainer writes it as ``released`` once it copied them out)."""
         self.allocated += need
         self.written += 1
         return offset, self.allocated
+
+    def put(self, tokens: np.ndarray) -> tuple[int, int] | None:
+        """Copy ``tokens`` into released space (:meth:`reserve`, copy, :meth:`commit`);
+        None when there is no room or no attached trainer."""
+        room = self.reserve(tokens.nbytes)
+        if room is None:
+            return None
+        self.view(room[0], tokens.nbytes)[:] = tokens.reshape(-1).view(np.uint8)
+        return self.commit(*room)
 
     def close(self) -> None:
         """Unmap and close the server's side (idempotent)."""
@@ -117,6 +134,21 @@ class Ring:
                 self._map.close()
             self._map = None
             os.close(self.fd)
+
+
+@dataclass
+class Space:
+    """Reserved room in a ring, as the array a chunk's rows are read into."""
+
+    ring: Ring
+    offset: int
+    need: int
+    #: the rows' memory: the ring's own pages
+    out: np.ndarray
+
+    def commit(self) -> tuple[int, int]:
+        """The rows are in: ``(offset, end)`` for the chunk header (see :meth:`Ring.commit`)."""
+        return self.ring.commit(self.offset, self.need)
 
 
 @dataclass
@@ -273,6 +305,17 @@ class Rings:
         """Place ``tokens`` in ``ident``'s ring (see :meth:`Ring.put`); None: use TCP."""
         ring = self._rings.get(ident)
         return None if ring is None else ring.put(tokens)
+
+    def space(self, ident: bytes, shape: tuple[int, int], dtype: np.dtype[Any]) -> Space | None:
+        """Room in ``ident``'s ring for a ``shape`` array of ``dtype`` (the server reads
+        a chunk's rows straight into it: no copy of the chunk afterwards), or None: read
+        into an ordinary buffer and send over TCP."""
+        ring = self._rings.get(ident)
+        nbytes = shape[0] * shape[1] * dtype.itemsize
+        room = None if ring is None or nbytes == 0 else ring.reserve(nbytes)
+        if ring is None or room is None:
+            return None
+        return Space(ring, room[0], room[1], ring.view(room[0], nbytes).view(dtype).reshape(shape))
 
     def drop(self, ident: bytes) -> None:
         """Close ``ident``'s ring, if it has one."""

@@ -101,8 +101,17 @@ class Serving:
         peer.queued -= 1
         if self.cache is not None:  # what this read makes the cache fetch is the job's
             self.cache.ledger.owner = jid
+        # A trainer on this host with room in its ring gets the rows read straight into
+        # the ring (the header and provenance still over ZeroMQ, in order with everything
+        # else): no copy of the chunk after the read. Else TCP from a pooled buffer.
+        space = None
+        if self.rings is not None:
+            space = self.rings.space(ident, *job.feed.chunk_shape(req.count))
         try:
-            tokens, rows = job.feed.assemble(req.rank, req.pos, count=req.count, stride=req.stride)
+            tokens, rows = job.feed.assemble(
+                req.rank, req.pos, count=req.count, stride=req.stride,
+                out=None if space is None else space.out,
+            )  # fmt: skip
         except NotResident as exc:  # nothing read; answered once the pieces are in
             peer.queued += 1  # still outstanding on its connection
             self._parked.append(_Parked(exc.waiter, jid, ident, req, time.monotonic()))
@@ -117,9 +126,8 @@ class Serving:
             message = "the server could not read the dataset; the operator should check its log"
             self.wire.send_error(ident, ServerError(message, retry=True), req=req.req)
             return 0
-        # A trainer on this host with room in its ring gets the tokens there (the header
-        # and provenance still over ZeroMQ, in order with everything else); else TCP.
-        ring = self.rings.put(ident, tokens) if self.rings is not None else None
+        ring = None if space is None else space.commit()
+        del space  # the ring's memory: no view of it outlives the read
         if not self.wire.send(ident, protocol.chunk_frames(req.req, tokens, rows, ring)):
             return 0
         if ring is not None:

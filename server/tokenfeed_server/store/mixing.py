@@ -34,6 +34,7 @@ from tokenfeed.mixture import MAX_PERIOD, Mixture, source_seed
 from tokenfeed.plan import Plan, default_block_sizes
 from tokenfeed_server.store.mixed_gather import MixedGather
 from tokenfeed_server.store.mixture_tables import (
+    FirstBlock,
     SharedMixtures,
     shared_mixtures,
     table_bytes,
@@ -43,9 +44,11 @@ from tokenfeed_server.store.reader import Dataset
 from tokenfeed_server.store.serving import assemble, row_buffers, window_blocks
 
 __all__ = [
+    "INLINE_BLOCK_SOURCES",
     "MAX_LABEL",
     "MAX_TABLE_ROWS",
     "Feed",
+    "JobFirstBlock",
     "SharedMixtures",
     "Source",
     "open_feed",
@@ -63,6 +66,11 @@ IntArray = npt.NDArray[np.int64]
 MAX_TABLE_ROWS = 4 * MAX_PERIOD
 #: A mixture's :attr:`Feed.label` is cut near this many characters (it is a metric label).
 MAX_LABEL = 200
+#: A new job of a mixture of more sources than this has its first block of order computed
+#: off the data plane's loop before it is admitted (:meth:`Feed.first_block`): a block runs
+#: 8,192 positions through every source's plan, about 0.25 ms a source here, so a few
+#: sources' block costs less than the retry the client makes meanwhile.
+INLINE_BLOCK_SOURCES = 8
 
 
 @dataclass(frozen=True)
@@ -215,26 +223,43 @@ class Feed:
         ]
         return view
 
+    def chunk_shape(self, count: int) -> tuple[tuple[int, int], np.dtype[Any]]:
+        """The shape and dtype of the tokens :meth:`assemble` returns for ``count`` batches."""
+        src = self.first
+        return (count * src.plan.batch_size, src.plan.seq_len + 1), src.dataset.dtype
+
     def assemble(
-        self, rank: int, pos: int, *, count: int, stride: int
+        self, rank: int, pos: int, *, count: int, stride: int, out: np.ndarray | None = None
     ) -> tuple[np.ndarray, dict[str, IntArray]]:
         """Rows of one request: tokens ``[count*B, L+1]`` and the named provenance rows
         (``window``, ``epoch``, and ``source`` for a mixture), ``[count*B]`` each.
 
-        A shard that cannot be read raises the reader's StoreError naming its dataset.
+        ``out``: where to read the tokens (of :meth:`chunk_shape`; e.g. a trainer's
+        shared-memory ring), else a pooled buffer. A shard that cannot be read raises the
+        reader's StoreError naming its dataset.
         """
         if self.mixture is None:
             src = self.first
             tokens, window_ids, epochs = assemble(
-                src.dataset, src.plan, rank, pos, count=count, stride=stride
+                src.dataset, src.plan, rank, pos, count=count, stride=stride, out=out
             )
             return tokens, {protocol.ROW_WINDOW: window_ids, protocol.ROW_EPOCH: epochs}
-        return self._assemble_mixture(rank, pos, count=count, stride=stride)
+        return self._assemble_mixture(rank, pos, count=count, stride=stride, out=out)
 
     @cached_property
     def _order(self) -> MixedOrder:
         assert self.mixture is not None
         return MixedOrder(self.sources, self._tables())
+
+    def first_block(self) -> FirstBlock | None:
+        """What a new job of this feed reads first (block 0 of its order), for the
+        builder to compute off the loop (see
+        :meth:`~tokenfeed_server.store.mixture_tables.SharedMixtures.ready`); None for a
+        single dataset or a mixture of at most :data:`INLINE_BLOCK_SOURCES` sources."""
+        if self.mixture is None or len(self.sources) <= INLINE_BLOCK_SOURCES:
+            return None
+        # not self._order: that would build the tables here, on the asking thread
+        return JobFirstBlock(MixedOrder(self.sources, self.mixture))
 
     @cached_property
     def _reader(self) -> MixedGather:
@@ -242,7 +267,7 @@ class Feed:
         return MixedGather([src.dataset for src in self.sources])
 
     def _assemble_mixture(
-        self, rank: int, pos: int, *, count: int, stride: int
+        self, rank: int, pos: int, *, count: int, stride: int, out: np.ndarray | None
     ) -> tuple[np.ndarray, dict[str, IntArray]]:
         # Positions do not depend on a plan's dataset (only batch, world and stride), so
         # the first source's plan gives the request's stream positions for all.
@@ -250,7 +275,11 @@ class Feed:
         positions = plan.rank_positions(rank, pos, count, stride)  # sorted, as blocks need
         which, window_ids, epochs, starts = window_blocks.windows(self._order, positions)
         length = plan.seq_len + 1
-        out, out_rows = row_buffers.take_rows((positions.size, length), self.first.dataset.dtype)
+        out_rows = None
+        if out is None:
+            out, out_rows = row_buffers.take_rows(
+                (positions.size, length), self.first.dataset.dtype
+            )
         # Every source's rows straight into their places in the request's buffer, in one
         # pass over the request when the sources are local files (no per-source copy).
         self._reader.gather(which, starts, length, out=out, rows=out_rows)
@@ -275,6 +304,28 @@ class Closed:
         return self.position, self.consumed
 
 
+class JobFirstBlock:
+    """Block 0 of a mixture job's order in the shared
+    :data:`~tokenfeed_server.store.serving.window_blocks` (a
+    :class:`~tokenfeed_server.store.mixture_tables.FirstBlock`)."""
+
+    def __init__(self, order: MixedOrder) -> None:
+        self.order = order
+
+    @property
+    def key(self) -> tuple[object, int]:
+        """The block's key in the cache."""
+        return (self.order.order_key, 0)
+
+    def cached(self) -> bool:
+        """True when the cache holds the block now."""
+        return window_blocks.cached(self.order, 0)
+
+    def compute(self) -> None:
+        """Compute the block into the cache (on the builder thread, tables built)."""
+        window_blocks.fill(self.order, 0)
+
+
 class MixedOrder:
     """A mixture's whole order as one pure function of the stream position, for the
     server's shared :class:`~tokenfeed_server.store.serving.WindowBlocks`: positions to
@@ -294,6 +345,10 @@ class MixedOrder:
             tuple(map(tuple, mixture.to_wire())),
             tuple((src.plan.order_key, src.plan.seq_len) for src in self.sources),
         )
+
+    def note_block(self) -> None:
+        """Count a block computed (on which thread: see :meth:`SharedMixtures.counters`)."""
+        shared_mixtures.note_block()
 
     def windows(self, positions: IntArray) -> tuple[IntArray, ...]:
         """``(source, window_ids, epochs, token_starts)`` of sorted stream positions."""

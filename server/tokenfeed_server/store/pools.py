@@ -283,6 +283,11 @@ class WindowBlocks:
     large world, widely strided workers) is computed directly: a block would then mostly
     hold rows this server never sends. Any :class:`Order` is cached the same way (a
     mixture's, see :mod:`tokenfeed_server.store.mixing`).
+
+    Thread-safe: a block is computed outside the lock (two threads asking for one missing
+    block may both compute it; the later replaces the earlier, equal one), and held
+    blocks are read-only. An order with a ``note_block()`` method is told of each block
+    computed for it (a mixture counts where its blocks were computed).
     """
 
     def __init__(
@@ -326,6 +331,17 @@ class WindowBlocks:
             return tuple(part[index] for part in blocks[0])
         return tuple(np.concatenate(parts)[index] for parts in zip(*blocks, strict=True))
 
+    def cached(self, order: Order, b: int) -> bool:
+        """True when block ``b`` (positions ``b*block`` onwards) of ``order`` is held now."""
+        with self._lock:
+            return (order.order_key, b) in self._blocks
+
+    def fill(self, order: Order, b: int) -> None:
+        """Compute block ``b`` of ``order`` now unless held, on the calling thread (a
+        builder's: see :mod:`tokenfeed_server.store.mixture_tables`); any thread may call
+        this and :meth:`windows` at once."""
+        self._block(order, b)
+
     def release_idle(self, idle_s: float) -> int:
         """Drop the blocks no request used for ``idle_s`` seconds; the bytes given back."""
         cutoff = time.monotonic() - idle_s
@@ -366,6 +382,9 @@ class WindowBlocks:
         block = tuple(part if part.base is None else part.copy() for part in parts)
         for part in block:
             part.flags.writeable = False  # shared by every job with this key
+        note = getattr(order, "note_block", None)
+        if note is not None:  # (outside our lock: the order counts under its own)
+            note()
         nbytes = sum(sys.getsizeof(part) for part in block) + sys.getsizeof(block)
         with self._lock:
             old = self._blocks.pop(key, None)  # computed meanwhile by another thread

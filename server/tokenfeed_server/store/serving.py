@@ -39,11 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from tokenfeed.errors import DatasetNotFound, ManifestError, StoreError
-from tokenfeed.plan import Plan
 from tokenfeed_server.logbudget import LogBudget
+from tokenfeed_server.store.assemble import assemble
 from tokenfeed_server.store.catalog import Catalog, CatalogError, poll_catalog
 from tokenfeed_server.store.errors import DamagedShardObject, MissingShardObject
 from tokenfeed_server.store.format import MANIFEST_NAME
@@ -580,18 +578,3 @@ def summary(ds: Dataset, *, versions_in_use: list[str] | None = None) -> dict[st
         "format_version": m.format_version,
         "created": m.created,
     }
-
-
-def assemble(
-    ds: Dataset, plan: Plan, rank: int, pos: int, *, count: int, stride: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of one request: tokens ``[count*B, L+1]``, window ids and epochs ``[count*B]``.
-
-    The tokens are read into a pooled buffer (see :class:`RowBuffers`); a shard that
-    cannot be read raises CorruptShard naming the dataset.
-    """
-    positions = plan.rank_positions(rank, pos, count, stride)  # sorted, as blocks need
-    window_ids, epochs = window_blocks.windows(plan, positions)
-    out, rows = row_buffers.take_rows((len(window_ids), plan.seq_len + 1), ds.dtype)
-    tokens = ds.gather(plan.token_starts(window_ids), plan.seq_len + 1, out=out, rows=rows)
-    return tokens, window_ids, epochs
