@@ -9,7 +9,9 @@ baselines can map it; cached under benchmarks/results/stores), then runs every s
 interleaved rounds (each round runs every system once, in a rotated order, so that drift
 on a shared box hits them alike), each run in fresh trainer processes: draw ``--batches``
 batches of 8 x 2048 tokens (int64 ``input_ids``/``labels``) and time them. A tokenfeed
-server is started for each tokenfeed run only.
+server is started for each tokenfeed run only. Each round draws a new seed, so before
+each run the files the system reads are read into the page cache (unmeasured): otherwise
+the first run of a round on a partly cached store reads that seed's windows from disk.
 
 Systems, per group (no workers, 2 DataLoader workers, 4 trainer processes at once):
 tokenfeed; ``ram_batch`` (the whole array in RAM, one fancy-indexed gather per batch of
@@ -41,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from loader_measure import Server, machine_load, run_once
+from loader_measure import Server, machine_load, page_cache_bytes, run_once, warm_page_cache
 from loader_report import chart, markdown, meta_line, publish, summarize
 
 HERE = Path(__file__).resolve().parent
@@ -190,7 +192,8 @@ def system_list(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int
 
 
 def store_files(spec: dict[str, Any]) -> list[Path]:
-    """The files a system reads, for the page-cache column."""
+    """The files a system reads: warmed into the page cache before its runs, and counted
+    in the page-cache column after them."""
     if "peer_dir" in spec:
         return sorted(p for p in Path(spec["peer_dir"]).rglob("*") if p.is_file())
     from systems import shard_region
@@ -253,17 +256,31 @@ def plan(
 
 
 def run_system(
-    spec: dict[str, Any], clients: int, store: Path, log: Path, seed: int
+    spec: dict[str, Any], clients: int, store: Path, log: Path, seed: int, *, warm: bool = True
 ) -> dict[str, Any]:
-    """One run; tokenfeed gets a fresh server that lives only as long as the run."""
+    """One run; tokenfeed gets a fresh server that lives only as long as the run.
+
+    ``warm``: first read the files the system reads into the page cache, so that every
+    run starts on a cached store (the rate runs); the memory-only run skips it.
+    """
+    files = store_files(spec)
+    start = warm_page_cache(files) if warm else page_cache_bytes(files)
+    size = sum(f.stat().st_size for f in files)
+    if warm and start < 0.99 * size:
+        print(
+            f"# warning: only {start / 2**20:.0f} of {size / 2**20:.0f} MB of the store stay "
+            "in the page cache: runs read from disk, and their rates are not comparable",
+            flush=True,
+        )
     server = Server(store, log) if spec["system"] == "tokenfeed" else None
     try:
         endpoint = server.zmq if server else ""
         full = {**spec, "seed": seed, "endpoint": endpoint}
-        return run_once(full, clients, server, store_files(full))
+        result = run_once(full, clients, server, files)
     finally:
         if server:
             server.stop()
+    return {**result, "page_cache_mb_start": start / 2**20}
 
 
 def rounds(
@@ -278,7 +295,8 @@ def rounds(
             runs[label].append(result)
             print(
                 f"# round {r} {label}: {result['tokens_per_s'] / 1e6:.1f} Mtok/s, total CPU "
-                f"{result['total_cpu_s_per_gtok']:.2f} s/Gtok, load {result['load1_start']}",
+                f"{result['total_cpu_s_per_gtok']:.2f} s/Gtok, load {result['load1_start']}, "
+                f"store cached at start {result['page_cache_mb_start']:.0f} MB",
                 flush=True,
             )
     return runs
@@ -298,7 +316,7 @@ def memory_vs_size(
             "batches_per_item": args.batches_per_item if nw else 1,
             "store": str(big),
         }
-        res = run_system(spec, 1, big, log, seed=0)
+        res = run_system(spec, 1, big, log, seed=0, warm=False)  # its memory only
         memory[f"tokenfeed nw={nw}"] = {
             "trainer_anon_mb_small": summary.get(f"tokenfeed nw={nw}", {}).get("trainer_anon_mb"),
             "trainer_anon_mb_big": res["trainer_anon_mb"],
