@@ -164,11 +164,15 @@ def system_list(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int
     out: list[tuple[str, dict[str, Any], int]] = []
     for nw in (0, 2):
         group: list[tuple[str, dict[str, Any]]] = [
-            ("tokenfeed", {"system": "tokenfeed", "batches_per_item": k if nw else 1}),
+            # with workers: the loader's own packing (about 2 MiB of raw tokens per item,
+            # 64 batches here), as a user gets it
+            ("tokenfeed", {"system": "tokenfeed", "batches_per_item": None if nw else 1}),
             # the same server without the shared-memory ring: chunks over loopback TCP
-            ("tokenfeed tcp", {"system": "tokenfeed", "batches_per_item": k if nw else 1}),
+            ("tokenfeed tcp", {"system": "tokenfeed", "batches_per_item": None if nw else 1}),
             ("ram_batch", {"system": "ram_batch"}),
             ("memmap_pack16", {"system": "memmap_pack", "batches_per_item": k}),
+            # the same loader packing as many batches per item as tokenfeed's default
+            ("memmap_pack64", {"system": "memmap_pack", "batches_per_item": 64}),
             ("litdata", {"system": "litdata"}),
             ("streaming", {"system": "streaming"}),
             ("ram per-sample", {"system": "ram"}),
@@ -176,6 +180,8 @@ def system_list(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int
         ]
         for name, spec in group:
             if nw and name == "ram_batch":  # forked workers would share its array: no new case
+                continue
+            if not nw and name == "memmap_pack64":  # packing matters with workers only
                 continue
             tcp = {"tcp": True} if name.endswith("tcp") else {}
             out.append((f"{name} nw={nw}", {**spec, **tcp, "num_workers": nw}, 1))
@@ -313,7 +319,7 @@ def memory_vs_size(
             "system": "tokenfeed",
             "num_workers": nw,
             "batches": min(base["batches"], 4000),
-            "batches_per_item": args.batches_per_item if nw else 1,
+            "batches_per_item": None if nw else 1,
             "store": str(big),
         }
         res = run_system(spec, 1, big, log, seed=0, warm=False)  # its memory only

@@ -214,7 +214,7 @@ def _tokenfeed(spec: dict[str, Any]) -> Iterable[Any]:
         rank=0,
         world_size=1,
         samples=spec["batches"] * spec["batch_size"],
-        batches_per_item=spec.get("batches_per_item", 1),
+        batches_per_item=spec.get("batches_per_item", 1),  # None: the loader chooses
     )
     return TokenFeedLoader(ds, num_workers=spec["num_workers"], pin_memory=False, prefetch=4)
 

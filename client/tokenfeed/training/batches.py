@@ -10,7 +10,7 @@ model is.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -101,57 +101,83 @@ def pack(
     batch_size: int,
     eos_id: int | None,
     labels: LabelMode,
-) -> Batch:
-    """One packed item of the batches ``[lo, hi)`` of each ``(answer, lo, hi)`` piece."""
+) -> dict[str, Any]:
+    """One packed item of the batches ``[lo, hi)`` of each ``(answer, lo, hi)`` piece.
 
-    # One copy of the raw rows into a fresh (writable, shareable) array per item.
-    def rows(field: str) -> np.ndarray:
-        parts = [getattr(c, field)[lo * batch_size : hi * batch_size] for c, lo, hi in pieces]
-        return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
-
-    tokens = rows("tokens")
-    n = len(tokens) // batch_size
-    item = {
-        "tokens": torch.from_numpy(tokens.reshape(n, batch_size, -1)),
-        "window_ids": torch.from_numpy(rows("window_ids").reshape(n, batch_size)),
-        "epoch": torch.from_numpy(rows("epochs").reshape(n, batch_size)),
+    Everything in one tensor: a DataLoader hands each tensor of an item to the main
+    process separately (with torch's default sharing, a descriptor passed over a fresh
+    authenticated connection per tensor, most of the main process's time at two workers),
+    so the provenance rows (int64, first, aligned) and the raw tokens share one uint8
+    buffer, and the layout travels as plain values.
+    """
+    n = sum(hi - lo for _, lo, hi in pieces)
+    first = pieces[0][0]
+    fields = [f for f in _FIELDS if getattr(first, f) is not None]
+    cols, dtype = first.tokens.shape[1], first.tokens.dtype
+    rows = n * batch_size
+    buf = np.empty(rows * (8 * len(fields) + cols * dtype.itemsize), dtype=np.uint8)
+    parts = _views(buf, fields, rows, cols, dtype)
+    for name, part in zip([*fields, "tokens"], parts, strict=True):
+        at = 0
+        for answer, lo, hi in pieces:  # one copy of the received rows into the item
+            block = getattr(answer, name)[lo * batch_size : hi * batch_size]
+            part[at : at + len(block)] = block
+            at += len(block)
+    return {  # plain values pass through a DataLoader as they are
+        _PACKED: torch.from_numpy(buf),
+        "batches": n,
+        "batch_size": batch_size,
+        "layout": (tuple(fields), cols, dtype.str),
+        "eos_id": eos_id,
+        "labels": labels,
     }
-    if pieces[0][0].sources is not None:  # a mixture: every answer of the job has them
-        item["source"] = torch.from_numpy(rows("sources").reshape(n, batch_size))
-    if eos_id is not None:  # boundaries are computed where the item is unpacked
-        item["eos_id"] = torch.tensor(eos_id)
-    if labels == "unshifted":  # so is the label mode: the item says which one it wants
-        item[_UNSHIFTED] = torch.tensor(True)
-    return item
 
 
-# Marks a packed item whose batches want unshifted labels (absent: shifted, as before).
-_UNSHIFTED = "unshifted_labels"
+# The provenance an answer may carry, in item order (int64 each, one per row).
+_FIELDS = ("window_ids", "epochs", "sources")
+# The batch keys they become.
+_BATCH_KEYS = {"window_ids": "window_ids", "epochs": "epoch", "sources": "source"}
+_PACKED = "packed"
 
 
-def unpack(item: Batch) -> list[Batch]:
+def _views(
+    buf: np.ndarray, fields: list[str], rows: int, cols: int, dtype: np.dtype[Any]
+) -> list[np.ndarray]:
+    """The item buffer's parts: one int64 row per field, then tokens ``[rows, cols]``."""
+    parts: list[np.ndarray] = []
+    at = 0
+    for _ in fields:
+        parts.append(buf[at : at + 8 * rows].view(np.int64))
+        at += 8 * rows
+    parts.append(buf[at:].view(dtype).reshape(rows, cols))
+    return parts
+
+
+def unpack(item: dict[str, Any]) -> list[Batch]:
     """The batches of one packed item (``batches_per_item > 1``), as the model wants them.
 
     ``TokenFeedLoader`` calls this for you; call it yourself only if you put a
     ``TokenFeedDataset`` with ``batches_per_item > 1`` into your own DataLoader.
     """
-    tokens = item["tokens"].numpy()
-    eos_id = int(item["eos_id"]) if "eos_id" in item else None
-    labels: LabelMode = "unshifted" if _UNSHIFTED in item else "shifted"
-    sources = item.get("source")
+    meta = item
+    fields, cols, dtype = meta["layout"]
+    b, n = int(meta["batch_size"]), int(meta["batches"])
+    *provenance, tokens = _views(item[_PACKED].numpy(), list(fields), n * b, cols, np.dtype(dtype))
+    got = {_BATCH_KEYS[f]: torch.from_numpy(p) for f, p in zip(fields, provenance, strict=True)}
+    sources = got.get("source")
     return [
         from_rows(
-            tokens[i],
-            item["window_ids"][i],
-            item["epoch"][i],
-            eos_id,
-            labels,
-            sources=None if sources is None else sources[i],
+            tokens[i * b : (i + 1) * b],
+            got["window_ids"][i * b : (i + 1) * b],
+            got["epoch"][i * b : (i + 1) * b],
+            meta["eos_id"],
+            meta["labels"],
+            sources=None if sources is None else sources[i * b : (i + 1) * b],
         )
-        for i in range(tokens.shape[0])
+        for i in range(n)
     ]
 
 
-def batches_in(item: Batch, batches_per_item: int) -> int:
+def batches_in(item: dict[str, Any], batches_per_item: int) -> int:
     """How many batches an item of a dataset with ``batches_per_item`` holds."""
-    return 1 if batches_per_item == 1 else int(item["tokens"].shape[0])
+    return 1 if batches_per_item == 1 else int(item["batches"])

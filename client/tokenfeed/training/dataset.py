@@ -82,7 +82,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
             inter-process overhead per batch. Items of several batches are packed raw
             tokens: :class:`~tokenfeed.TokenFeedLoader` unpacks them (or call
             :func:`unpack` in your own loop). Default: one batch per item, except that
-            ``TokenFeedLoader`` with worker processes packs about 1 MiB (at most 16).
+            ``TokenFeedLoader`` with worker processes packs about 2 MiB (at most 64).
         document_boundaries: also give each batch ``position_ids`` (int64
             ``[batch_size, seq_len]``, restarting at every document) and ``cu_seqlens``
             (int32, cumulative document lengths over the flattened batch), so attention
