@@ -151,6 +151,13 @@ class CacheSettings(BaseModel):
         "fetched again (unreachable storage is never remembered: see --storage-retry-s)",
     )
     cache_max_open: int = Field(default=1024, ge=16, description="piece files kept open at most")
+    max_partial_read_bytes: Annotated[int, BeforeValidator(as_size)] = Field(
+        default=64 << 20,  # cache_rounds.DEFAULT_MAX_PARTIAL_READ_BYTES
+        ge=0,
+        description="bytes of rows kept, per remote dataset, for requests read in rounds "
+        "because their pieces do not fit in half the cache at once; beyond it the oldest "
+        "such request starts over (slower, same data)",
+    )
     prefetch_blocks: int = Field(
         default=2, ge=1, description="blocks of each active job's plan fetched ahead"
     )
@@ -176,6 +183,7 @@ class CacheSettings(BaseModel):
             "backoff_s": self.cache_backoff_s,
             "failure_ttl_s": self.cache_failure_ttl_s,
             "max_open": self.cache_max_open,
+            "max_partial_read_bytes": self.max_partial_read_bytes,
         }
 
     def prefetch_options(self) -> dict[str, Any]:

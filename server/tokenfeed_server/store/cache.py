@@ -67,6 +67,7 @@ from tokenfeed_server.store.cache_policy import (
     rows_per_request,
     unique_refs,
 )
+from tokenfeed_server.store.cache_rounds import DEFAULT_MAX_PARTIAL_READ_BYTES
 from tokenfeed_server.store.errors import (
     CacheClosed,
     CacheTooSmall,
@@ -108,9 +109,9 @@ class PieceCache:
     is fetched again up to ``mismatch_attempts`` times; any other error ends after
     ``attempts`` GETs. A piece found missing or damaged is answered so at once for
     ``failure_ttl_s`` instead of fetched again. At most ``max_open`` piece files stay
-    open. The server takes these from its settings
-    (:class:`~tokenfeed_server.config.CacheSettings`, ``StorageSettings``);
-    ``disk_usage`` is for tests (a disk that fills).
+    open; ``max_partial_read_bytes`` bounds the rows kept for reads in rounds. The server
+    takes these from its settings (:class:`~tokenfeed_server.config.CacheSettings`,
+    ``StorageSettings``); ``disk_usage`` is for tests (a disk that fills).
 
     Only one process may use a directory (a lock file says so at start).
     """
@@ -127,12 +128,14 @@ class PieceCache:
         backoff_s: float = 0.1,
         failure_ttl_s: float = 5.0,
         max_open: int = 1024,
+        max_partial_read_bytes: int = DEFAULT_MAX_PARTIAL_READ_BYTES,
         retry_s: float = 900.0,
         disk_usage: Callable[[Path], DiskUsage] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 byte, got {capacity}")
         self.capacity = int(capacity)
+        self.max_partial_read_bytes = max_partial_read_bytes  # for the datasets' Rounds
         self.source = source
         self.retry = RetryPolicy(max(1, attempts), max(1, mismatch_attempts), backoff_s, retry_s)
         #: What object storage did for each dataset lately (read by the HTTP side).
@@ -211,11 +214,6 @@ class PieceCache:
         return rows_per_request(
             self.capacity, piece_bytes, row_bytes, dataset_bytes, span_pieces=span_pieces
         )
-
-    @property
-    def round_bytes(self) -> int:
-        """Most piece bytes one read pins at once: half, leaving room for the next one."""
-        return self.capacity // 2
 
     # -- the loop's side ---------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 A request of a remote dataset reads its rows from pieces that must all be in the cache
 while they are read (:meth:`~tokenfeed_server.store.remote.RemoteDataset._gather`). When
 the distinct pieces of a request's rows take more than
-:attr:`~tokenfeed_server.store.cache.PieceCache.round_bytes` (half the cache), the rows
+:func:`round_bytes` (half the cache), the rows
 are read in *rounds*: first every row whose pieces are all in the cache now, else the
 next rows in piece order, as many as fit. A round that misses raises
 :class:`~tokenfeed_server.store.waiters.NotResident` for its own pieces only, so the
@@ -15,14 +15,17 @@ the first round's pieces to fetch the last's, and so on without end).
 The only refusal: one row whose pieces do not fit in the whole cache
 (:class:`~tokenfeed_server.store.errors.CacheTooSmall`, naming ``--cache-size``).
 
-Rows kept between rounds are bounded (:data:`MAX_PARTIAL_BYTES`); the oldest partial
-read is dropped first, and its request then reads again from the start: slower, never
-different data (every row comes from verified pieces of the same version).
+Rows kept between rounds are bounded, per dataset, by the server setting
+``--max-partial-read-bytes`` (default :data:`DEFAULT_MAX_PARTIAL_READ_BYTES`); beyond it
+the oldest partial read is dropped (logged once per dataset, naming the setting, and
+counted in :attr:`Rounds.dropped`), and its request then reads again from the start:
+slower, never different data (every row comes from verified pieces of the same version).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,13 +37,17 @@ from tokenfeed_server.store.cache_policy import one_row_fits
 from tokenfeed_server.store.errors import CacheTooSmall
 
 if TYPE_CHECKING:
+    from tokenfeed_server.store.cache import PieceCache
     from tokenfeed_server.store.remote import RemoteDataset
 
-__all__ = ["MAX_PARTIAL_BYTES", "Rounds"]
+__all__ = ["DEFAULT_MAX_PARTIAL_READ_BYTES", "Rounds", "round_bytes"]
 
-#: Bytes of rows kept for requests read in rounds, per dataset (a request's chunk is at
-#: most the server's ``max_chunk_bytes``, so this holds several parked requests).
-MAX_PARTIAL_BYTES = 64 << 20
+log = logging.getLogger(__name__)
+
+#: Default bytes of rows kept for requests read in rounds, per dataset
+#: (``--max-partial-read-bytes``; a request's chunk is at most the server's
+#: ``max_chunk_bytes``, so this holds several parked requests).
+DEFAULT_MAX_PARTIAL_READ_BYTES = 64 << 20
 
 Reader = Callable[[npt.NDArray[np.int64], int, np.ndarray], None]
 
@@ -57,7 +64,7 @@ class _Partial:
 class Rounds:
     """The partial reads of one remote dataset (see the module docstring)."""
 
-    def __init__(self, limit_bytes: int = MAX_PARTIAL_BYTES) -> None:
+    def __init__(self, limit_bytes: int = DEFAULT_MAX_PARTIAL_READ_BYTES) -> None:
         self.limit_bytes = limit_bytes
         self._partials: collections.OrderedDict[tuple[int, bytes], _Partial] = (
             collections.OrderedDict()
@@ -65,10 +72,12 @@ class Rounds:
         self._bytes = 0
         #: rounds read (for tests and tools: a request that needed them counts them)
         self.rounds = 0
+        #: partial reads dropped for the bound (their requests start over)
+        self.dropped = 0
 
     def needed(self, ds: RemoteDataset, n_pieces: int) -> bool:
         """True when a read of ``n_pieces`` distinct pieces must go in rounds."""
-        return n_pieces * ds.piece_bytes > ds.cache.round_bytes
+        return n_pieces * ds.piece_bytes > round_bytes(ds.cache)
 
     def gather(
         self,
@@ -95,7 +104,7 @@ class Rounds:
                 partial.done[rows] = True
                 self.rounds += 1
         except BaseException:
-            self._keep(key, partial)
+            self._keep(ds, key, partial)
             raise
         return partial.data
 
@@ -117,7 +126,7 @@ class Rounds:
         here = dict(zip(ids, ds.cache.resident_many([ds.digests[g] for g in ids]), strict=True))
         ready = [i for i in todo if all(here[g] for g in partial.pieces[i])]
         order = ready or sorted(todo, key=lambda i: partial.pieces[i])
-        room = max(1, ds.cache.round_bytes // ds.largest_piece)
+        room = max(1, round_bytes(ds.cache) // ds.largest_piece)
         chosen: list[int] = []
         held: set[int] = set()
         for i in order:
@@ -130,7 +139,7 @@ class Rounds:
             held = more
         return chosen
 
-    def _keep(self, key: tuple[int, bytes], partial: _Partial) -> None:
+    def _keep(self, ds: RemoteDataset, key: tuple[int, bytes], partial: _Partial) -> None:
         """Keep ``partial`` for the retry, dropping the oldest beyond the bound."""
         if not partial.done.any():
             return  # nothing read yet: nothing to keep
@@ -139,11 +148,26 @@ class Rounds:
         while self._bytes > self.limit_bytes and len(self._partials) > 1:
             _, old = self._partials.popitem(last=False)
             self._bytes -= old.data.nbytes
+            self.dropped += 1
+            if self.dropped == 1:  # once per dataset: it repeats while the load lasts
+                log.warning(
+                    "dataset %s: reads in rounds (a cache too small for whole requests) "
+                    "hold more than --max-partial-read-bytes (%d bytes): the oldest starts "
+                    "over (slower, same data); raise --max-partial-read-bytes or "
+                    "--cache-size",
+                    ds.name,
+                    self.limit_bytes,
+                )
 
     def clear(self) -> None:
         """Forget every partial read (the dataset is closed)."""
         self._partials.clear()
         self._bytes = 0
+
+
+def round_bytes(cache: PieceCache) -> int:
+    """Most piece bytes one read pins at once: half the cache, leaving room for the next."""
+    return cache.capacity // 2
 
 
 def row_piece_ids(ds: RemoteDataset, start: int, row_bytes: int) -> tuple[int, ...]:

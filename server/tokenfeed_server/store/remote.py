@@ -83,7 +83,7 @@ class RemoteDataset(Dataset):
         #: is smaller than a piece (what one row can need of the cache, per piece)
         self.largest_piece = max(1, min(self.piece_bytes, max(self.pieces.sizes, default=0)))
         #: requests too big for the cache at once, read in rounds
-        self.rounds = Rounds()
+        self.rounds = Rounds(cache.max_partial_read_bytes)
         #: version 3: where the digests come from (fetched off the loop on first need)
         self.sidecar = sidecar
 

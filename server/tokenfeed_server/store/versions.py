@@ -13,7 +13,8 @@ version without any new field.
   under ``NAME/``, shared by every version that names them.
 * **Local** (a directory): ``STORE/NAME/`` is the current version; an overwrite moves the
   previous build to ``STORE/_tokenfeed/versions/NAME/<fingerprint>/`` (its directory's
-  mtime set to the moment it was retired) instead of deleting it.
+  mtime set to the moment it was retired) instead of deleting it; a build of content
+  kept already goes inside that directory (:data:`COPY_PREFIX`): jobs may be reading it.
 
 A store written before this layout has no ``versions/`` and no catalog: its current
 manifest is then its only version. ``_tokenfeed`` can never be a dataset name (names start
@@ -24,8 +25,11 @@ old versions is gc's job, which reads this layout through :func:`list_versions`.
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
 import re
+import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CATALOG_KEY",
+    "COPY_PREFIX",
     "RESERVED_PREFIX",
     "VERSIONS_DIR",
     "VersionRef",
@@ -64,6 +69,12 @@ CATALOG_KEY = f"{RESERVED_PREFIX}/catalog.json"
 VERSIONS_DIR = "versions"
 
 _FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+#: The name prefix of a further copy of a kept local version, inside its directory.
+COPY_PREFIX = ".copy-"
+#: Renames tried to keep a replaced build while gc removes its version meanwhile.
+_RETIRE_TRIES = 5
+
+log = logging.getLogger(__name__)
 
 
 def is_fingerprint(text: object) -> bool:
@@ -161,23 +172,43 @@ def build_fingerprint(directory: Path) -> str | None:
 def retire_local_build(store: Path, name: str, old: Path, fingerprint: str | None) -> None:
     """Keep the build just swapped out of ``STORE/NAME`` (now at ``old``) as a version.
 
-    It moves to :func:`local_version_dir` (same file system: one rename; jobs reading it
-    keep their open files either way), its mtime set to now (the moment it stopped being
-    current). Without a fingerprint (no readable manifest: nothing can pin it) or when that
-    version is kept already (the same content built again), ``old`` is deleted instead.
+    It moves to :func:`local_version_dir` (same file system: one rename), its mtime set to
+    now (the moment it stopped being current). A job reading it reopens its shard files by
+    name in the directory it opened, wherever that moved
+    (:mod:`~tokenfeed_server.store.handles`), so a build with a fingerprint is never
+    deleted here: when that version is kept already (the same content built again, e.g. a
+    same-content ``prepare --overwrite``), ``old`` goes inside it as ``.copy-<random>``,
+    which gc removes with the version (both are judged by the one fingerprint). Without a
+    fingerprint (no readable manifest: no server could open it) ``old`` is deleted.
     """
     if fingerprint is None or not is_fingerprint(fingerprint):
         shutil.rmtree(old, ignore_errors=True)
         return
     target = local_version_dir(store, name, fingerprint)
-    if target.exists():
+    try:
+        _keep(old, target)
+    except OSError as exc:  # the new build is published: this one is dropped, said so
+        log.warning("dataset %s: replaced build %s not kept (%s); removed", name, old, exc)
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(old, target)
-        except OSError:  # raced by another writer retiring the same content: keep theirs
-            shutil.rmtree(old, ignore_errors=True)
+        return
     now = time.time()
     with contextlib.suppress(OSError):  # gone already (another writer's gc): nothing to date
         os.utime(target, (now, now))
+
+
+def _keep(old: Path, target: Path) -> None:
+    """Rename ``old`` to ``target``, or into it when that version is kept already."""
+    for _ in range(_RETIRE_TRIES):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(old, target)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        try:  # kept already (or a racing writer retired the same content first)
+            os.rename(old, target / f"{COPY_PREFIX}{secrets.token_hex(8)}")
+            return
+        except FileNotFoundError:  # that version removed meanwhile (by gc): keep it anew
+            continue
+    raise OSError(errno.ENOENT, f"its version was removed {_RETIRE_TRIES} times meanwhile")

@@ -433,7 +433,7 @@ class DatasetWriter:
             # descriptor) and a cleaner leaves a temp dir without a lock file alone.
             os.unlink(self.tmp / LOCK_NAME)
             _fsync_dir(self.tmp)
-            self._publish(manifest.fingerprint)
+            self._publish()
         except BaseException:
             self.abort()
             raise
@@ -444,7 +444,7 @@ class DatasetWriter:
             manifest.attach_pieces(path.read_bytes, str(path))
         return manifest
 
-    def _publish(self, fingerprint: str) -> None:
+    def _publish(self) -> None:
         self._check_exists()
         if not self.final_path.exists():
             # rename() onto a missing path is atomic; a racing writer that got there first
@@ -460,21 +460,20 @@ class DatasetWriter:
                 raise
         elif _exchange(self.tmp, self.final_path):
             # The old dataset now sits in our temp dir: readers never see a gap.
-            self._retire(self.tmp, fingerprint)
+            self._retire(self.tmp)
         else:
             old = self.store / f"{TEMP_PREFIX}{self.name}-{os.getpid()}-old{secrets.token_hex(2)}"
             os.rename(self.final_path, old)
             os.rename(self.tmp, self.final_path)
-            self._retire(old, fingerprint)
+            self._retire(old)
         _fsync_dir(self.store)
 
-    def _retire(self, old: Path, fingerprint: str) -> None:
+    def _retire(self, old: Path) -> None:
         """Keep the build just swapped out as a version: a job (or a checkpoint) may be
-        pinned to it. Deleted instead when it is this very build (same fingerprint)."""
-        previous = build_fingerprint(old)
-        retire_local_build(
-            self.store, self.name, old, None if previous == fingerprint else previous
-        )
+        pinned to it. Kept too when it has this build's content (same fingerprint): a job
+        reading it reopens its files by name in its directory, so deleting it would fail
+        that job (see :func:`~tokenfeed_server.store.versions.retire_local_build`)."""
+        retire_local_build(self.store, self.name, old, build_fingerprint(old))
 
     def abort(self) -> None:
         """Discard everything written so far (idempotent)."""
