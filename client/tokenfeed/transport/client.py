@@ -144,7 +144,7 @@ class FeedClient:
         #: the socket in use, opened afresh on every attempt
         self.connection = Connection(self.replicas.endpoints[0], self.options, stop)
         # after a failover: asks this client's own replica again, to go back to it
-        self._home = HomeProbe(self.replicas, self.options, stop)
+        self._home = HomeProbe(self.replicas, self.options, stop, older=self._older_server)
         # one id sequence per client: a late answer to an abandoned stream never matches
         self._ids = itertools.count()
         # Unique per client object and kept across reconnects: the server replaces the
@@ -221,7 +221,7 @@ class FeedClient:
                 # the server's storage does not answer: say so; its own budget, if it
                 # says one, bounds the wait rather than this client's deadline
                 deadline_at = max(deadline_at, self._storage_wait(msg))
-            elif isinstance(msg, protocol.Err) and self._older_server(hello, msg):
+            elif isinstance(msg, protocol.Err) and self._older_server(hello, msg, self.endpoint):
                 hello = self._hello_message()  # now without the run id: ask again at once
                 advance = False
                 continue
@@ -272,14 +272,14 @@ class FeedClient:
         defaults = protocol.messages.DEFAULTS[protocol.Hello]
         return dataclasses.replace(hello, **{name: defaults[name] for name in self._dropped})
 
-    def _older_server(self, hello: protocol.Hello, err: protocol.Err) -> bool:
-        """True when ``err`` is a server from before some optional fields of ``hello``
-        refusing them, if they change no token (see :mod:`tokenfeed.transport.older`);
-        this client leaves them out from then on."""
+    def _older_server(self, hello: protocol.Hello, err: protocol.Err, where: str) -> bool:
+        """True when ``err`` is a server (at ``where``) from before some optional fields
+        of ``hello`` refusing them, if they change no token (see
+        :mod:`tokenfeed.transport.older`); this client leaves them out from then on."""
         names = refused_droppable(hello, err)
         for name in names:
             level, cost = DROPPABLE[name]
-            log.log(level, "the server at %s is %s", self.endpoint, cost)
+            log.log(level, "the server at %s is %s", where, cost)
         self._dropped.update(names)
         return bool(names)
 

@@ -10,6 +10,12 @@ requests, takes the answers of those in flight (a request boundary: nothing aske
 nothing dropped), says ``bye`` to the replica in use and carries on over the probe's
 socket, as after a failover: requests are pure functions of their fields, so any replica
 over the same store answers the rest of the stream identically.
+
+The probe's hello is the client's, so it may hold optional fields the client's own
+replica refuses (a replica of an older release, mid-upgrade, that the client never met:
+it was down when the client started). Such a refusal is handled as ``hello`` handles it
+(:mod:`tokenfeed.transport.older`): the client leaves those fields out from then on and
+the probe asks again at once, on the same socket.
 """
 
 from __future__ import annotations
@@ -40,15 +46,23 @@ class HomeProbe:
         options: credentials and ``return_after``, ``request_timeout`` (how long a
             probe waits for its welcome before it is given up until the next one).
         stop: the client's stop event, for the probe's socket.
+        older: the client's judge of a refusal (the hello refused, the ``err``, the
+            address): True when it refused optional fields the client now leaves out.
     """
 
     def __init__(
-        self, replicas: Replicas, options: ClientOptions, stop: threading.Event | None
+        self,
+        replicas: Replicas,
+        options: ClientOptions,
+        stop: threading.Event | None,
+        older: Callable[[protocol.Hello, protocol.Err, str], bool] | None = None,
     ) -> None:
         self._replicas = replicas
         self._options = options
         self._stop = stop
+        self._older = older
         self._conn: Connection | None = None
+        self._hello: protocol.Hello | None = None  # the hello the probe sent last
         self._sent_at = 0.0
         # not before return_after seconds away: a replica that just failed is not asked
         self._next = 0.0
@@ -86,6 +100,9 @@ class HomeProbe:
         if received is not None and isinstance(received[0], protocol.Welcome):
             self.welcome = received[0]
             return self.welcome
+        if received is not None and self._refused_older(received[0]):
+            self._send(hello(), now)  # without the fields it refused: ask again at once
+            return None
         late = now - self._sent_at > self._options.request_timeout
         if received is not None or self._conn.broken or late:
             self.drop()  # refused or silent: still away; ask again later
@@ -95,12 +112,29 @@ class HomeProbe:
         conn = Connection(address, self._options, self._stop)
         try:
             conn.open(address)
-            conn.send(hello)
         except (TokenFeedError, OSError):
             conn.terminate()
             self._next = now + self._options.return_after
             return
-        self._conn, self._sent_at = conn, now
+        self._conn = conn
+        self._send(hello, now)
+
+    def _send(self, hello: protocol.Hello, now: float) -> None:
+        assert self._conn is not None
+        try:
+            self._conn.send(hello)
+        except (zmq.ZMQError, OSError):
+            self.drop()
+            return
+        self._hello, self._sent_at = hello, now
+
+    def _refused_older(self, msg: protocol.Message) -> bool:
+        """True when ``msg`` refuses optional fields of the probe's hello that the
+        client leaves out from now on (an older release: see the module docstring)."""
+        if not isinstance(msg, protocol.Err) or self._older is None or self._hello is None:
+            return False
+        assert self._conn is not None
+        return self._older(self._hello, msg, self._conn.endpoint)
 
     def take(self) -> Connection:
         """The probe's socket, welcomed by the client's own replica; the probe is reset."""
