@@ -146,7 +146,7 @@ def test_help_shows_the_twin_the_range_and_the_real_default() -> None:
     )
     assert r.returncode == 0
     text = " ".join(r.stdout.split())  # argparse wraps lines
-    assert "[TOKENFEED_CHUNK_BYTES; an integer >= 1; default 1048576]" in text
+    assert "[TOKENFEED_CHUNK_BYTES; an integer >= 1; default 4194304]" in text
     assert "[TOKENFEED_ZMQ_PORT; an integer in 0..65535; default 7400]" in text
     assert "[TOKENFEED_MAX_JOBS; an integer >= 1; default 256]" in text
     assert "--tenants PATH" in text and "[TOKENFEED_TENANTS_FILE; a path; default none]" in text
@@ -168,7 +168,7 @@ def _serve(monkeypatch: pytest.MonkeyPatch, argv: list[str], **env: str) -> Serv
 def test_defaults_when_neither_flag_nor_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     c = _serve(monkeypatch, ["--store", "/s"])
     assert c == ServerConfig(store=Path("/s"))
-    assert (c.zmq_port, c.http_port, c.chunk_bytes, c.limits) == (7400, 7401, 1 << 20, Limits())
+    assert (c.zmq_port, c.http_port, c.chunk_bytes, c.limits) == (7400, 7401, 4 << 20, Limits())
 
 
 def test_environment_beats_default_and_flag_beats_environment(

@@ -279,8 +279,10 @@ class ServerConfig(BaseModel):
     zmq_port: Port = Field(default=DEFAULT_ZMQ_PORT, description="data port (0: any free port)")
     http_port: Port = Field(default=DEFAULT_HTTP_PORT, description="HTTP port (0: any free port)")
     limits: Limits = Field(default=Limits())  # frozen: safe to share
-    # the server tells clients how many batches fit in one chunk of this size
-    chunk_bytes: int = Field(default=1 << 20, ge=1, description="target size of one chunk in bytes")
+    # the server tells clients how many batches fit in one chunk of this size; 4 MiB: a
+    # chunk's fixed cost (scheduling, the header, a send, a wake-up on each side) was a
+    # quarter of the server's CPU per token at 1 MiB (benchmarks/bench_loaders.py)
+    chunk_bytes: int = Field(default=4 << 20, ge=1, description="target size of one chunk in bytes")
     peer_timeout_s: float = Field(
         default=60.0, gt=0, description="forget a connection silent for this many seconds"
     )
@@ -316,7 +318,7 @@ class ServerConfig(BaseModel):
         "with trainer containers; 'off': every chunk over TCP)",
     )
     ring_size: Annotated[int, BeforeValidator(as_size)] = Field(
-        default=8 << 20,
+        default=32 << 20,  # room for several chunks of the default --chunk-bytes
         ge=1 << 20,
         description="bytes of one connection's shared-memory ring (memory of the trainer's "
         "and the server's, once written; a chunk that does not fit goes over TCP)",

@@ -73,7 +73,7 @@ class DatasetConfig:
     server_public_key: str | None = None
     client_secret_key: str | None = field(default=None, repr=False)  # a secret
     window: int = 4
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 4 << 20
     request_timeout: float = 10.0
     deadline: float = 120.0
     batches_per_item: int | None = None

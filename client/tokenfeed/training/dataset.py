@@ -130,7 +130,7 @@ class TokenFeedDataset(IterableDataset[Batch]):
         server_public_key: str | None = None,
         client_secret_key: str | None = None,
         window: int = 4,
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = 4 << 20,
         request_timeout: float = 10.0,
         deadline: float = 120.0,
         batches_per_item: int | None = None,
