@@ -190,6 +190,25 @@ def test_a_trainer_on_the_ring_gets_exactly_what_tcp_gives(server: LiveServer) -
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+@pytest.mark.network
+def test_only_connections_that_read_chunks_get_a_ring(server: LiveServer) -> None:
+    # The loader's short connections (the pin before its workers start, the progress
+    # report at the end) say hello and bye: a ring each would be a descriptor and a door
+    # visit for nothing.
+    from tokenfeed import TokenFeedDataset, TokenFeedLoader
+
+    handed = server.settled_counter("rings_handed")
+    chunks = server.settled_counter("ring_chunks")
+    ds = TokenFeedDataset(
+        server.zmq, "alpha", seq_len=63, batch_size=4, rank=0, world_size=1, samples=64
+    )
+    assert ds.options.shared_memory is None  # chosen by where the server is: here
+    batches = list(TokenFeedLoader(ds, num_workers=2, report_after=0.01))
+    assert len(batches) == 16
+    assert server.settled_counter("ring_chunks") > chunks
+    assert server.settled_counter("rings_handed") - handed == 2  # one per worker
+
+
 ALICE, BOB, ADMIN = "alice-token-0123456789", "bob-token-0123456789ab", "admin-token-0123456789"
 
 

@@ -266,7 +266,10 @@ class TokenFeedDataset(IterableDataset[Batch]):
             worker=worker,
             num_workers=num_workers,
             slot=slot,
-            options=self.options,
+            # a hello-only connection (slot 0: the pin, the progress report) takes no ring
+            options=dataclasses.replace(self.options, shared_memory=False)
+            if slot == 0
+            else self.options,
             fingerprint=self.fingerprint,
             source_fingerprints=self.source_fingerprints,
             consumed=self._take_consumed,
