@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -179,7 +180,7 @@ class Connection:
             return msg, [self._from_ring(msg), *frames[2:]]
         return msg, frames[1:]
 
-    def _from_ring(self, chunk: protocol.Chunk) -> bytearray:
+    def _from_ring(self, chunk: protocol.Chunk) -> np.ndarray:
         """The tokens of a chunk the server put in this socket's ring (copied out, their
         space released at once: chunks arrive in the order they were written)."""
         if self.ring is None:

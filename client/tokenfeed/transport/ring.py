@@ -46,14 +46,13 @@ class ClientRing:
         self.size = size
         struct.pack_into("<Q", self._map, _ATTACHED_AT, 1)
 
-    def take(self, offset: int, end: int, nbytes: int) -> bytearray:
+    def take(self, offset: int, end: int, nbytes: int) -> np.ndarray:
         """The ``nbytes`` at ``offset`` (copied out), then release up to ``end``."""
         if not (offset >= _HEADER_BYTES and offset + nbytes <= self.size):
             raise ValueError(f"tokens at {offset}+{nbytes} lie outside the ring ({self.size})")
-        out = bytearray(nbytes)
-        np.frombuffer(out, dtype=np.uint8)[:] = np.frombuffer(
-            self._map, dtype=np.uint8, count=nbytes, offset=offset
-        )
+        # np.empty, not bytearray(n): no zero-filling of memory about to be overwritten
+        out = np.empty(nbytes, dtype=np.uint8)
+        out[:] = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
         struct.pack_into("<Q", self._map, _RELEASED_AT, end)
         return out
 
