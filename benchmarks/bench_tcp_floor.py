@@ -4,10 +4,11 @@ per row.
 
 Issue 25's target for the TCP path is server CPU per Gtok at most 1.3x this floor. The
 floor process reads random 2,049-token uint16 rows with the same C helper the server uses
-(``tokenfeed_server.store.rows``), ~1 MiB per chunk as the server's chunks, and sends each
-chunk with one zero-copy ZeroMQ send to a receiver process that drops it. Three rows: the
-reads alone, the send alone (one buffer sent again and again), and both. CPU is the sending
-process's (its ZeroMQ IO thread included); medians of ``--runs``.
+(``tokenfeed_server.store.rows``), 4 MiB per chunk as the server's chunks, and sends each
+chunk with one zero-copy ZeroMQ send to a receiver process that drops it. Four rows: the
+reads alone (with the C helper, and with the ``os.preadv`` fallback), the send alone (one
+buffer sent again and again), and both. CPU is the sending process's (its ZeroMQ IO
+thread included); medians of ``--runs``.
 
     .venv/bin/python benchmarks/bench_tcp_floor.py [--gtok 0.5] [--runs 3]
 
@@ -33,7 +34,7 @@ from tokenfeed_server.store import rows as row_reader
 
 SEQ = 2049  # tokens per row, as the loader benchmark's seq_len 2048 + 1
 ROW_BYTES = SEQ * 2
-ROWS_PER_CHUNK = 256  # 1 MiB chunks, as the server's default max_chunk_bytes
+ROWS_PER_CHUNK = 1024  # 4 MiB chunks, as the server's default --chunk-bytes
 
 RECEIVER = """
 import sys, zmq
@@ -52,7 +53,7 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def one_run(data: Path, chunks: int, read: bool, send: bool) -> float:
+def one_run(data: Path, chunks: int, read: bool, send: bool, portable: bool = False) -> float:
     """CPU seconds per Gtok of ``chunks`` chunks read and/or sent."""
     rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
     assert rx.stdout is not None
@@ -73,7 +74,8 @@ def one_run(data: Path, chunks: int, read: bool, send: bool) -> float:
         for i in range(chunks):
             buf = bufs[i % len(bufs)]
             if read:
-                got = row_reader.read_rows(fd, zip(buf), offsets[i])
+                reader = row_reader._portable if portable else row_reader.read_rows
+                got = reader(fd, zip(buf), offsets[i])
                 assert got == buf.nbytes, got
             if send:
                 sock.send(buf, copy=False)
@@ -102,11 +104,16 @@ def main() -> None:
                 f.write(rng.integers(0, 2**16, 32 << 20, dtype=np.uint16).tobytes())
         data.read_bytes()
         chunks = int(args.gtok * 1e9 / (ROWS_PER_CHUNK * SEQ))
-        cases = {"read": (True, False), "send": (False, True), "read + send": (True, True)}
+        cases = {
+            "read": (True, False, False),
+            "read, os.preadv per row (the fallback)": (True, False, True),
+            "send": (False, True, False),
+            "read + send": (True, True, False),
+        }
         results: dict[str, list[float]] = {name: [] for name in cases}
         for _ in range(args.runs):  # interleaved
-            for name, (read, send) in cases.items():
-                results[name].append(one_run(data, chunks, read, send))
+            for name, (read, send, portable) in cases.items():
+                results[name].append(one_run(data, chunks, read, send, portable))
                 time.sleep(0.2)
     print(f"# rows read by: {row_reader.read_path()}; load {os.getloadavg()[0]:.2f}")
     print("| path | CPU s/Gtok (median) | runs |")

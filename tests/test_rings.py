@@ -108,6 +108,35 @@ def test_chunks_wrap_around_the_ring_and_never_overwrite_unreleased_bytes(
     ring.close()
 
 
+def test_borrowed_chunks_hold_their_space_until_dropped_and_release_in_ring_order(
+    door: RingDoor,
+) -> None:
+    ring = Ring(HEADER_BYTES + (8 << 10))
+    client = attach(str(door.path), door.offer(ring, "c"))
+    assert client is not None
+    chunks = [np.full((1, 1024), i + 1, np.uint16) for i in range(4)]  # 2 KiB each: full
+    views = []
+    for c in chunks:
+        where = ring.put(c)
+        assert where is not None
+        views.append(client.borrow(where[0], where[1], c.nbytes))
+    assert ring.put(chunks[0]) is None  # nothing released: TCP
+    tokens = views[0].view(np.uint16)  # an array made from a view keeps it lent
+    with pytest.raises(ValueError):
+        tokens[0] = 7  # read-only: a consumer cannot scribble on the ring
+    views[1] = None  # returned out of order: waits for the first
+    assert ring.put(chunks[0]) is None
+    views[0] = None
+    assert ring.put(chunks[0]) is None  # `tokens` still holds the first chunk
+    assert np.array_equal(tokens, chunks[0][0])  # untouched while lent
+    del tokens
+    where = ring.put(chunks[0])  # the first two are released together
+    assert where is not None
+    assert np.array_equal(views[2].view(np.uint16), chunks[2][0])  # still intact
+    client.close()
+    ring.close()
+
+
 def test_a_trainer_claiming_more_than_was_written_loses_its_ring(door: RingDoor) -> None:
     ring = Ring(1 << 20)
     client = attach(str(door.path), door.offer(ring, "c"))

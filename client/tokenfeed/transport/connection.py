@@ -181,13 +181,14 @@ class Connection:
         return msg, frames[1:]
 
     def _from_ring(self, chunk: protocol.Chunk) -> np.ndarray:
-        """The tokens of a chunk the server put in this socket's ring (copied out, their
-        space released at once: chunks arrive in the order they were written)."""
+        """The tokens of a chunk the server put in this socket's ring: a read-only view,
+        their space released once the consumer has dropped every array over it (see
+        :class:`~tokenfeed.transport.ring.ClientRing`)."""
         if self.ring is None:
             raise ProtocolError("the server sent a chunk in a ring this connection does not have")
         itemsize = DTYPES[chunk.dtype].itemsize if chunk.dtype in DTYPES else 0
         try:
-            return self.ring.take(
+            return self.ring.borrow(
                 chunk.ring_offset, chunk.ring_end, chunk.rows * chunk.cols * itemsize
             )
         except ValueError as exc:

@@ -3,21 +3,25 @@
 When the server runs on this host, its welcome offers a ring: the path of its ring door
 (a Unix socket) and a one-time nonce. :func:`attach` trades the nonce for the ring's
 descriptor, maps it and marks it attached; from then on the server may put a chunk's
-tokens in the ring instead of on the socket, and :meth:`ClientRing.take` copies them out
-and releases their space at once (chunks come in the order they were written, so the
-released count only grows). Anything that goes wrong (no such socket: the server is on
-another host; a refused nonce) leaves the connection on TCP, said once in the log.
+tokens in the ring instead of on the socket, and :meth:`ClientRing.borrow` lends them out
+without a copy, releasing their space once the consumer is done with them. Anything that
+goes wrong (no such socket: the server is on another host; a refused nonce) leaves the
+connection on TCP, said once in the log.
 """
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 import mmap
 import os
 import socket
 import struct
+import threading
+import weakref
 from contextlib import suppress
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +36,16 @@ _TIMEOUT_S = 2.0
 
 
 class ClientRing:
-    """A mapped ring: copy chunks out and release them in arrival order."""
+    """A mapped ring: lend chunks out as read-only views, release them in ring order.
+
+    A chunk's tokens are not copied out: :meth:`borrow` returns a view of the ring, and
+    its space is released when the last array over it is gone (a finalizer on the view:
+    conversions copy, so that is when the consumer has converted the chunk's batches).
+    The server writes only into released space, so nothing a view shows changes while it
+    lives; a consumer that keeps chunks fills the ring and the server sends over TCP.
+    Space is released in the order it was written (``released`` is one counter): a chunk
+    returned early waits for those written before it.
+    """
 
     def __init__(self, fd: int) -> None:
         size = os.fstat(fd).st_size
@@ -44,20 +57,43 @@ class ClientRing:
             self._map.close()
             raise ValueError("the descriptor the server sent is not a tokenfeed ring")
         self.size = size
+        self._lock = threading.Lock()  # views die on the consumer's thread
+        self._lent: collections.deque[list[Any]] = collections.deque()  # [end, returned]
+        self._closed = False
         struct.pack_into("<Q", self._map, _ATTACHED_AT, 1)
 
-    def take(self, offset: int, end: int, nbytes: int) -> np.ndarray:
-        """The ``nbytes`` at ``offset`` (copied out), then release up to ``end``."""
+    def borrow(self, offset: int, end: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` at ``offset`` as a read-only view; its space (up to ``end``) is
+        released once the view and every array made from it are gone."""
         if not (offset >= _HEADER_BYTES and offset + nbytes <= self.size):
             raise ValueError(f"tokens at {offset}+{nbytes} lie outside the ring ({self.size})")
-        # np.empty, not bytearray(n): no zero-filling of memory about to be overwritten
-        out = np.empty(nbytes, dtype=np.uint8)
-        out[:] = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
-        struct.pack_into("<Q", self._map, _RELEASED_AT, end)
+        view = np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=offset)
+        view.flags.writeable = False
+        entry: list[Any] = [end, False]
+        with self._lock:
+            self._lent.append(entry)
+        weakref.finalize(view, self._returned, entry)
+        return view
+
+    def take(self, offset: int, end: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` at ``offset`` copied out, their space released at once."""
+        out: np.ndarray = self.borrow(offset, end, nbytes).copy()
         return out
 
+    def _returned(self, entry: list[Any]) -> None:
+        with self._lock:
+            entry[1] = True
+            released = None
+            while self._lent and self._lent[0][1]:
+                released = self._lent.popleft()[0]
+            if released is not None and not self._closed:
+                struct.pack_into("<Q", self._map, _RELEASED_AT, released)
+
     def close(self) -> None:
-        """Unmap (the server then sends over TCP: it sees the ring no more released)."""
+        """Unmap (the server then sends over TCP: it sees the ring no more released); a
+        view still alive keeps the mapping until it is gone."""
+        with self._lock:
+            self._closed = True
         with suppress(BufferError, ValueError):
             struct.pack_into("<Q", self._map, _ATTACHED_AT, 0)
             self._map.close()
