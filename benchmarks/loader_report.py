@@ -202,5 +202,5 @@ def publish(result: dict[str, Any], out: Path, name: str, note: str) -> None:
     body += result["markdown"]
     _replace_between(docs / "benchmarks" / "loaders.md", "table", body)
     line = readme_line(result["systems"], result["meta"])
-    _replace_between(ROOT / "README.md", "line", f"{note + ' ' if note else ''}{line}")
+    _replace_between(ROOT / "README.md", "line", line)  # the README stays short: no note
     print("# published: docs/img/bench_loaders.png, docs/benchmarks/loaders.md, README.md")
