@@ -215,7 +215,6 @@ def _tokenfeed(spec: dict[str, Any]) -> Iterable[Any]:
         world_size=1,
         samples=spec["batches"] * spec["batch_size"],
         batches_per_item=spec.get("batches_per_item", 1),  # None: the loader chooses
-        **({"chunk_bytes": spec["chunk_bytes"]} if "chunk_bytes" in spec else {}),
     )
     return TokenFeedLoader(ds, num_workers=spec["num_workers"], pin_memory=False, prefetch=4)
 

@@ -159,9 +159,8 @@ def unpack(item: dict[str, Any]) -> list[Batch]:
     ``TokenFeedLoader`` calls this for you; call it yourself only if you put a
     ``TokenFeedDataset`` with ``batches_per_item > 1`` into your own DataLoader.
     """
-    meta = item
-    fields, cols, dtype = meta["layout"]
-    b, n = int(meta["batch_size"]), int(meta["batches"])
+    fields, cols, dtype = item["layout"]
+    b, n = int(item["batch_size"]), int(item["batches"])
     *provenance, tokens = _views(item[_PACKED].numpy(), list(fields), n * b, cols, np.dtype(dtype))
     got = {_BATCH_KEYS[f]: torch.from_numpy(p) for f, p in zip(fields, provenance, strict=True)}
     sources = got.get("source")
@@ -170,8 +169,8 @@ def unpack(item: dict[str, Any]) -> list[Batch]:
             tokens[i * b : (i + 1) * b],
             got["window_ids"][i * b : (i + 1) * b],
             got["epoch"][i * b : (i + 1) * b],
-            meta["eos_id"],
-            meta["labels"],
+            item["eos_id"],
+            item["labels"],
             sources=None if sources is None else sources[i * b : (i + 1) * b],
         )
         for i in range(n)

@@ -301,11 +301,6 @@ class Rings:
         self._rings[ident] = ring
         return str(self.door.path), self.door.offer(ring, owner)
 
-    def put(self, ident: bytes, tokens: np.ndarray) -> tuple[int, int] | None:
-        """Place ``tokens`` in ``ident``'s ring (see :meth:`Ring.put`); None: use TCP."""
-        ring = self._rings.get(ident)
-        return None if ring is None else ring.put(tokens)
-
     def space(self, ident: bytes, shape: tuple[int, int], dtype: np.dtype[Any]) -> Space | None:
         """Room in ``ident``'s ring for a ``shape`` array of ``dtype`` (the server reads
         a chunk's rows straight into it: no copy of the chunk afterwards), or None: read

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = ["NATIVE", "read_rows", "read_path"]
-
-log = logging.getLogger(__name__)
 
 
 def _portable(fds: int | Sequence[int], bufs: Iterable[Any], offsets: list[int]) -> int:
@@ -34,17 +31,18 @@ def _portable(fds: int | Sequence[int], bufs: Iterable[Any], offsets: list[int])
     return sum(map(os.preadv, each, bufs, offsets))
 
 
-def _load() -> Any:
+def _load() -> tuple[Any, str]:
+    """The C helper's ``read_rows`` (None: not used) and how rows are read, in words."""
     if os.environ.get("TOKENFEED_NATIVE_READS", "1") == "0":
-        return None
+        return None, "preadv per row (TOKENFEED_NATIVE_READS=0)"
     try:  # by name: a `from tokenfeed_server.store import` would be an import cycle
         native = importlib.import_module("tokenfeed_server.store._rows")
     except ImportError:
-        return None
-    return native.read_rows
+        return None, "preadv per row (the C helper was not built: no C compiler at install)"
+    return native.read_rows, "native (one GIL release per request)"
 
 
-_native = _load()
+_native, _path = _load()
 #: True when rows are read by the C helper (one GIL release per request).
 NATIVE = _native is not None
 
@@ -58,9 +56,5 @@ def read_rows(fds: int | list[int], bufs: Iterable[Any], offsets: list[int]) -> 
 
 
 def read_path() -> str:
-    """How rows are read, for the server's start-up line and ``/v1/status``."""
-    if NATIVE:
-        return "native (one GIL release per request)"
-    if os.environ.get("TOKENFEED_NATIVE_READS", "1") == "0":
-        return "preadv per row (TOKENFEED_NATIVE_READS=0)"
-    return "preadv per row (the C helper was not built: no C compiler at install)"
+    """How rows are read, for the server's start-up line."""
+    return _path
