@@ -93,6 +93,9 @@ class Unattached:
         self._log_budget = log_budget
         #: fd -> (accepted at, peer address), oldest first
         self._pending: dict[int, tuple[float, object]] = {}
+        #: fd -> peer address of connections whose hello came before the monitor's
+        #: ACCEPTED (two pipes, no order between them): that event then adds nothing
+        self._early: dict[int, object] = {}
 
     @property
     def count(self) -> int:
@@ -110,9 +113,13 @@ class Unattached:
             fd = int(event["value"])
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._pending.pop(fd, None)
+                self._early.pop(fd, None)
             elif event["event"] == zmq.EVENT_ACCEPTED:
                 self._pending.pop(fd, None)  # a reused descriptor: the old one has gone
-                self._pending[fd] = (time.monotonic(), _peer_of(fd))
+                peer = _peer_of(fd)
+                if fd in self._early and self._early.pop(fd) == peer:
+                    continue  # it said hello already
+                self._pending[fd] = (time.monotonic(), peer)
                 if len(self._pending) > self.max_count:
                     self._close(next(iter(self._pending)), "unattached_refused")
                     if self._log_budget.take():
@@ -124,7 +131,8 @@ class Unattached:
 
     def attach(self, fd: int) -> None:
         """The connection on ``fd`` said hello: it is no longer unattached."""
-        self._pending.pop(fd, None)
+        if self._pending.pop(fd, None) is None:  # its ACCEPTED may not be read yet
+            self._early[fd] = _peer_of(fd)
 
     def expire(self, now: float) -> None:
         """Close the connections that have not said hello within ``timeout_s``."""
