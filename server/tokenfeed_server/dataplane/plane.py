@@ -17,7 +17,6 @@ answered with ``err`` carrying its ``.code`` and ``.retry``.
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
@@ -53,9 +52,6 @@ log = logging.getLogger(__name__)
 
 _DRAIN_MAX = 512  # messages read per turn before serving, so reads cannot starve sends
 _MAX_POLL_MS = 100  # the loop looks at its stop flag and housekeeping at least this often
-# Reading messages, then serving, each stop after this per loop turn and go on next turn:
-# 512 hellos of new jobs (256 jobs x 16 connections) read in one turn held everyone 100 ms.
-_TURN_BUDGET_S = 0.02
 _SNAPSHOT_EVERY_S = 0.5
 
 
@@ -215,26 +211,14 @@ class DataPlane:
                 unattached.events()  # before the messages: a hello then finds its fd
                 self._drain(sock, wire)
             serving.unpark()
-            # A round stops after _TURN_BUDGET_S (the queue keeps the rest, in DRR order,
-            # for the next turn, after the messages that came in meanwhile).
-            queue.serve_round(
-                lambda jid, item: serving.serve(jid, *item),
-                functools.partial(self._may_send, time.perf_counter() + _TURN_BUDGET_S),
-            )
+            queue.serve_round(lambda jid, item: serving.serve(jid, *item), self._bucket.ready)
             self._housekeeping()
             self.busy.note(time.perf_counter() - started)
-
-    def _may_send(self, due: float) -> bool:
-        """The next chunk may go: the egress cap allows it and the turn has time left."""
-        return self._bucket.ready() and time.perf_counter() < due
 
     # -- receiving -------------------------------------------------------------------
 
     def _drain(self, sock: zmq.Socket[bytes], wire: Wire) -> None:
-        due = time.perf_counter() + _TURN_BUDGET_S  # a storm of hellos: the rest next turn
         for _ in range(_DRAIN_MAX):
-            if time.perf_counter() > due:
-                return
             # Ask first: an empty NOBLOCK receive raises zmq.Again, and building that
             # exception on every drain cost more than the check (benchmarks/bench_loaders.py).
             if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
